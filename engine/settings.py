@@ -1,0 +1,40 @@
+"""Method settings: the one place for the defaults of every cache policy (the paper's, where it has them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+
+METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
+
+
+@dataclass
+class MethodSettings:
+    method: str = "full"
+    bits: int = 1            # quantized layers: 1 or 2 bits
+    group: int = 64          # quantization group (tokens for keys, channels for values)
+    residual: int = 128      # full-precision recent tokens in quantized layers
+    budget: int = 1024       # tokens attended per sparse layer: sink + top-K + recent
+    sink: int = 64
+    recent: int = 64
+    channels: int = 12       # r: channels per KV head used for approximate scores
+    quant_layers: list[int] | None = None  # None: from the model's profile
+    page: int = 16           # quest page size
+    snap_window: int = 32    # snapkv observation window (last prompt queries)
+    snap_pool: int = 7       # snapkv pooling kernel
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def topk(self) -> int:
+        return max(0, self.budget - self.sink - self.recent)
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method '{self.method}'; choose one of {', '.join(METHODS)}")
+        if self.bits not in (1, 2):
+            raise ValueError(f"--bits must be 1 or 2, got {self.bits}")
+        if self.budget < self.sink + self.recent:
+            raise ValueError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}")
+        if self.channels < 1:
+            raise ValueError("--channels must be at least 1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,67 @@
+"""Model hyper-parameters: one dataclass, filled from configs/*.json, an HF config.json or GGUF metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+
+
+@dataclass
+class ModelConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    vocab_size: int
+    head_dim: int = 0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3"|"linear", ...} as in HF config.json
+    max_context: int = 4096
+    tie_embeddings: bool = False
+    bos_id: int | None = None
+    eos_ids: list[int] = field(default_factory=list)
+    name: str = "llama"
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    @property
+    def group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def from_hf(cls, hf: dict, name: str = "llama") -> "ModelConfig":
+        eos = hf.get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        n_heads = hf["num_attention_heads"]
+        return cls(
+            dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads", n_heads),
+            hidden_dim=hf["intermediate_size"],
+            vocab_size=hf["vocab_size"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=hf.get("rope_scaling"),
+            max_context=hf.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_id=hf.get("bos_token_id"),
+            eos_ids=eos_ids,
+            name=name,
+        )

@@ -1,0 +1,38 @@
+"""Dense causal attention with GQA (no repeat of KV heads), for any query offset."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+QUERY_CHUNK = 2048
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
+    """q [B, Hq, Tq, D] at positions q_offset.., k/v [B, Hkv, Tk, D] at positions 0..Tk-1; Tk = q_offset + Tq.
+    Query chunks bound the mask memory for long prompts."""
+    tq, tk = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if tq == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if q_offset == 0 and tq == tk and (q.is_cuda or tq <= QUERY_CHUNK):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    out = torch.empty_like(q)
+    for s in range(0, tq, QUERY_CHUNK):
+        e = min(tq, s + QUERY_CHUNK)
+        end_k = q_offset + e
+        qpos = torch.arange(q_offset + s, q_offset + e, device=q.device)
+        mask = qpos[:, None] >= torch.arange(end_k, device=q.device)[None, :]
+        out[:, :, s:e] = F.scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, :end_k], v[:, :, :end_k], attn_mask=mask, enable_gqa=gqa)
+    return out
+
+
+def attention_with_mask(q, k, v, mask=None):
+    """Plain attention over the given keys; mask [.., Tq, Tk] boolean (True = attend) or None."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def softmax_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,47 @@
+"""The one dispatch rule for every op: a CUDA tensor and a loadable kernel -> the kernel; else the torch
+reference. Kernels register themselves by op name; a kernel that fails to build is remembered as absent."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+_KERNELS: dict[str, Callable] = {}
+_LOADERS: dict[str, Callable[[], Callable]] = {}
+_FAILED: set[str] = set()
+
+
+def register_kernel(name: str, loader: Callable[[], Callable]) -> None:
+    """`loader()` returns the kernel function (compiling it on first use) or raises."""
+    _LOADERS[name] = loader
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("TAILORKV_KERNELS", "1") != "0"
+
+
+def kernel_for(name: str, *tensors) -> Callable | None:
+    if not kernels_enabled() or name in _FAILED or name not in _LOADERS:
+        return None
+    if not all(getattr(t, "is_cuda", False) for t in tensors):
+        return None
+    if name not in _KERNELS:
+        try:
+            _KERNELS[name] = _LOADERS[name]()
+        except Exception:  # no CuPy, no compiler: the reference serves
+            _FAILED.add(name)
+            return None
+    return _KERNELS[name]
+
+
+def op(name: str):
+    """Decorator for a torch reference: calls the registered kernel instead when the rule says so.
+    The rule looks at the positional tensor arguments."""
+    def wrap(ref: Callable) -> Callable:
+        def run(*args, **kwargs):
+            kern = kernel_for(name, *[a for a in args if hasattr(a, "is_cuda")])
+            return (kern or ref)(*args, **kwargs)
+        run.reference = ref
+        run.__name__ = ref.__name__
+        run.__doc__ = ref.__doc__
+        return run
+    return wrap
