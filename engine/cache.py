@@ -69,6 +69,7 @@ class ModelCache:
         self.layers = layers
         self.query_fn = query_fn
         self.method = method
+        self.on_layer = None  # optional progress callback (layer_idx, n_layers) during prefill
 
     @property
     def length(self) -> int:
@@ -81,6 +82,8 @@ class ModelCache:
     def layer_input(self, i: int, x: torch.Tensor, start_pos: int) -> None:
         """Called by the model with layer i's normalized input, before its attention. During decode it lets
         layer i+1 predict its query from this input (TailorKV's one-layer-early prediction)."""
+        if self.on_layer is not None and x.shape[1] > 1:
+            self.on_layer(i, len(self.layers))
         nxt = i + 1
         if x.shape[1] == 1 and nxt < len(self.layers) and self.layers[nxt].wants_query_prediction:
             self.layers[nxt].predict_query(self.query_fn(nxt, x, start_pos))

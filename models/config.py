@@ -48,6 +48,10 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         n_heads = hf["num_attention_heads"]
+        rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
+        scaling = hf.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
         return cls(
             dim=hf["hidden_size"],
             n_layers=hf["num_hidden_layers"],
@@ -57,8 +61,8 @@ class ModelConfig:
             vocab_size=hf["vocab_size"],
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
             norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
             max_context=hf.get("max_position_embeddings", 4096),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_id=hf.get("bos_token_id"),

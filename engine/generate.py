@@ -1,0 +1,121 @@
+"""Prefill and decode over one ModelCache: the token loop, stop conditions and per-turn timing."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.cache import ModelCache
+from engine.sampling import Sampler, SamplingParams
+
+
+class ContextTooLong(ValueError):
+    pass
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    new_tokens: int = 0
+    decode_s: float = 0.0
+    stop: str = ""
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s else 0.0
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """Holds one model, one cache and the token ids the cache holds (`tokens`)."""
+
+    def __init__(self, loaded, cache: ModelCache, sampling: SamplingParams | None = None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.cache = cache
+        self.device = self.model.output_weight.device
+        self.sampling = sampling or SamplingParams()
+        self.sampler = Sampler(self.sampling, self.device)
+        self.tokens: list[int] = []
+        self.eos_ids = set(loaded.cfg.eos_ids) | set(getattr(self.tokenizer, "eos_ids", []) or [])
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.tokens = []
+
+    def check_fits(self, n_new: int) -> None:
+        if len(self.tokens) + n_new > self.max_len:
+            raise ContextTooLong(
+                f"the prompt needs {len(self.tokens) + n_new} tokens but --ctx is {self.max_len}: "
+                f"raise --ctx (the model supports {self.loaded.cfg.max_context}) or shorten the prompt"
+                + (" or /reset the chat" if self.tokens else ""))
+
+    def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Feed ids after what the cache holds; returns logits of the last (or every) position."""
+        self.check_fits(len(ids))
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        logits = self.model(x, len(self.tokens), self.cache, all_logits=all_logits)
+        self.tokens.extend(ids)
+        return logits
+
+    def recover(self) -> None:
+        """After an interrupt inside a forward pass some layers may hold one step more than `tokens`:
+        cut them back, or rebuild the cache from the token ids if the policy cannot cut."""
+        try:
+            self.cache.truncate(len(self.tokens))
+        except RuntimeError:
+            ids, self.tokens = self.tokens, []
+            self.cache.reset()
+            if ids:
+                self.forward(ids)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 256,
+                 on_token: Callable[[int], bool | None] | None = None) -> tuple[list[int], TurnStats]:
+        """Prefill prompt_ids, then sample until EOS, max_new_tokens or the context is full.
+        on_token(id) may return True to stop (a stop string was seen). EOS is not fed to the cache."""
+        st = TurnStats(prompt_tokens=len(prompt_ids))
+        t0 = time.perf_counter()
+        logits = self.forward(prompt_ids)
+        sync(self.device)
+        st.prefill_s = time.perf_counter() - t0
+        out: list[int] = []
+        t0 = time.perf_counter()
+        try:
+            while True:
+                tok = int(self.sampler(logits)[0])
+                if tok in self.eos_ids:
+                    st.stop = "eos"
+                    break
+                out.append(tok)
+                if on_token is not None and on_token(tok):
+                    st.stop = "stop string"
+                    self.forward([tok])
+                    break
+                if len(out) >= max_new_tokens:
+                    st.stop = "length"
+                    self.forward([tok])
+                    break
+                if len(self.tokens) + 1 > self.max_len:
+                    st.stop = "context full"
+                    break
+                logits = self.forward([tok])
+        finally:
+            st.new_tokens = len(out)
+            st.decode_s = time.perf_counter() - t0
+        return out, st

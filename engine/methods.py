@@ -1,0 +1,74 @@
+"""Build a ModelCache for a method: one policy per layer, chosen by the method and the layer profile."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from engine.cache import LayerSpec, ModelCache
+from engine.settings import MethodSettings
+from models.loader import CONFIG_DIR
+
+
+def profile_quant_layers(family: dict) -> list[int] | None:
+    """Quantization-friendly layers: from the model's calibration profile, else the family's paper value."""
+    prof = family.get("profile")
+    if prof:
+        path = os.path.join(CONFIG_DIR, prof)
+        if os.path.isfile(path):
+            with open(path) as f:
+                return list(json.load(f)["quant_layers"])
+    return family.get("quant_layers")
+
+
+def layer_policies(settings: MethodSettings, n_layers: int, family: dict) -> list[str]:
+    """The policy name of each layer."""
+    m = settings.method
+    if m == "tailorkv":
+        quant = settings.quant_layers
+        if quant is None:
+            quant = profile_quant_layers(family)
+        if quant is None:
+            raise ValueError("no layer profile for this model: run `tailorkv profile --model ...` "
+                             "or pass --quant-layers 0,1")
+        bad = [i for i in quant if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"--quant-layers {bad} out of range: the model has {n_layers} layers")
+        return ["quant" if i in set(quant) else "sparse" for i in range(n_layers)]
+    return [m] * n_layers
+
+
+def policy_class(name: str):
+    if name == "full":
+        from engine.policies.full import FullCache as cls
+    elif name == "quant":
+        from engine.policies.quant import QuantCache as cls
+    elif name == "sparse":
+        from engine.policies.sparse import SparseOffloadCache as cls
+    elif name == "offload":
+        from engine.policies.offload import OffloadCache as cls
+    elif name == "streamingllm":
+        from engine.policies.streaming import StreamingCache as cls
+    elif name == "snapkv":
+        from engine.policies.snapkv import SnapKVCache as cls
+    elif name == "quest":
+        from engine.policies.quest import QuestCache as cls
+    else:
+        raise ValueError(f"unknown cache policy '{name}'")
+    return cls
+
+
+def build_cache(loaded, settings: MethodSettings, max_len: int, batch: int = 1,
+                device=None, dtype: torch.dtype | None = None) -> ModelCache:
+    settings.validate()
+    model, cfg = loaded.model, loaded.cfg
+    device = device or model.output_weight.device
+    dtype = dtype or model.output_weight.dtype
+    names = layer_policies(settings, cfg.n_layers, loaded.family)
+    layers = []
+    for i, name in enumerate(names):
+        spec = LayerSpec(i, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, max_len, batch, dtype, torch.device(device))
+        cls = policy_class(name)
+        layers.append(cls(spec) if name == "full" else cls(spec, settings))
+    return ModelCache(layers, query_fn=model.project_query, method=settings.method)

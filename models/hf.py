@@ -1,0 +1,85 @@
+"""Hugging Face checkpoint folders: config.json plus single or sharded safetensors."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from models.config import ModelConfig
+from models.errors import LoadError, UnsupportedModel
+
+SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM"}
+
+
+def read_config(folder: str) -> ModelConfig:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise LoadError(f"{folder} has no config.json: point --weights at a Hugging Face model folder "
+                        f"(config.json, *.safetensors, tokenizer.json)")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): restore the file") from None
+    archs = hf.get("architectures") or []
+    if hf.get("model_type") not in ("llama", "mistral", None) or (archs and not set(archs) & SUPPORTED):
+        raise UnsupportedModel(f"{folder} holds a '{hf.get('model_type')}' model ({', '.join(archs)}); "
+                               f"tailorkv runs Llama-architecture models (Llama, Yi, SmolLM2)")
+    try:
+        return ModelConfig.from_hf(hf, name=os.path.basename(os.path.normpath(folder)))
+    except KeyError as e:
+        raise LoadError(f"{path} lacks the field {e}: it is not a complete Llama config.json") from None
+
+
+def shard_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not names:
+        raise LoadError(f"{folder} has no *.safetensors files: download the weights in safetensors format")
+    paths = [os.path.join(folder, n) for n in names]
+    for p in paths:
+        if not os.path.isfile(p):
+            raise LoadError(f"{p} is listed in model.safetensors.index.json but missing: finish the download")
+        check_safetensors(p)
+    return paths
+
+
+def check_safetensors(path: str) -> None:
+    """A truncated download shows as a file shorter than its header says."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise LoadError(f"{path} is truncated ({size} bytes): download it again")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError, MemoryError, OverflowError):
+            raise LoadError(f"{path} is not a safetensors file (bad header): download it again") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise LoadError(f"{path} is truncated ({size} of {8 + n + end} bytes): download it again")
+
+
+def tensor_count(paths: list[str]) -> int:
+    total = 0
+    for p in paths:
+        with safe_open(p, framework="pt") as f:
+            total += len(list(f.keys()))
+    return total
+
+
+def iter_tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One tensor at a time, so the caller can place it and drop it."""
+    for p in paths:
+        with safe_open(p, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,154 @@
+"""Resolve what the user named (a config name, an HF folder, a .gguf file) into a model and a tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig
+from models.errors import LoadError
+from models.llama import Llama
+from models.rope import Rope
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEFAULT_MODEL = "smollm2-135m"
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class LoadedModel:
+    model: Llama
+    tokenizer: object | None
+    cfg: ModelConfig
+    name: str
+    source: str  # "gguf:PATH", "hf:DIR" or "random"
+    family: dict = field(default_factory=dict)  # the configs/NAME.json entry, if any
+
+    @property
+    def random(self) -> bool:
+        return self.source == "random"
+
+
+def family_names() -> list[str]:
+    return sorted(n[:-5] for n in os.listdir(CONFIG_DIR) if n.endswith(".json"))
+
+
+def read_family(name: str) -> dict:
+    path = os.path.join(CONFIG_DIR, f"{name}.json")
+    if not os.path.isfile(path):
+        raise LoadError(f"unknown model '{name}': use one of {', '.join(family_names())}, "
+                        f"a Hugging Face folder or a .gguf file")
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_model(name: str = DEFAULT_MODEL, weights: str | None = None, random_weights: bool = False,
+               device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               progress: Progress | None = None, seed: int = 0) -> LoadedModel:
+    device = torch.device(device)
+    family: dict = {}
+    path = weights
+    if name.endswith(".gguf") or os.path.isdir(name) or os.sep in name:
+        path = name
+    else:
+        family = read_family(name)
+    if path is None and not random_weights:
+        src = family.get("weights", {})
+        if "gguf_package" not in src:
+            raise LoadError(f"'{name}' has no weights here: pass --weights DIR (a Hugging Face folder) "
+                            f"or --random-weights for speed and memory work")
+        from models.gguf import smollm2_gguf_path
+        path = smollm2_gguf_path()
+    if random_weights:
+        cfg = ModelConfig.from_dict(family["arch"]) if family else _config_of(path)
+        model = _random_model(cfg, device, dtype, seed)
+        return LoadedModel(model, _fallback_tokenizer(cfg), cfg, name, "random", family)
+    if not os.path.exists(path):
+        raise LoadError(f"{path} does not exist: check the path given to --model / --weights")
+    if path.endswith(".gguf"):
+        from models.gguf import load_gguf, gguf_tokenizer
+        cfg, tensors = load_gguf(path, dtype=dtype, progress=progress)
+        model = _place(cfg, tensors.items(), len(tensors), device, dtype, progress=None)
+        return LoadedModel(model, gguf_tokenizer(path), cfg, family.get("name", _stem(path)), f"gguf:{path}", family)
+    from models import hf
+    cfg = hf.read_config(path)
+    shards = hf.shard_files(path)
+    model = _place(cfg, hf.iter_tensors(shards), hf.tensor_count(shards), device, dtype, progress)
+    tok = None
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from models.tokenizer import Tokenizer
+        tok = Tokenizer.from_hf_folder(path)
+    return LoadedModel(model, tok, cfg, family.get("name", cfg.name), f"hf:{path}", family)
+
+
+def _stem(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def _config_of(path: str) -> ModelConfig:
+    if path.endswith(".gguf"):
+        from models.gguf import load_gguf_config
+        return load_gguf_config(path)
+    from models import hf
+    return hf.read_config(path)
+
+
+def _skeleton(cfg: ModelConfig) -> Llama:
+    with torch.device("meta"):
+        return Llama(cfg)
+
+
+def _finish(model: Llama, device) -> Llama:
+    model.rope = Rope(model.cfg.head_dim, model.cfg.rope_theta, model.cfg.rope_scaling).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def _place(cfg, tensors, total: int, device, dtype, progress: Progress | None) -> Llama:
+    """Move each tensor into its place as it arrives: no second copy of the weights is ever held."""
+    model = _skeleton(cfg)
+    params = dict(model.named_parameters())
+    seen = set()
+    for n, (name, t) in enumerate(tensors):
+        if name not in params:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise LoadError(f"unexpected tensor '{name}' in the weights: they do not belong to a Llama "
+                            f"model of this config (check config.json matches the checkpoint)")
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise LoadError(f"tensor '{name}' has shape {tuple(t.shape)} but the config asks for "
+                            f"{tuple(params[name].shape)}: config.json does not match the weights")
+        module_name, _, pname = name.rpartition(".")
+        setattr(model.get_submodule(module_name), pname, nn.Parameter(t.to(device, dtype), requires_grad=False))
+        seen.add(name)
+        if progress:
+            progress(n + 1, total)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise LoadError(f"the weights lack {len(missing)} tensors (first: '{missing[0]}'): "
+                        f"the checkpoint is incomplete or of another architecture")
+    return _finish(model, device)
+
+
+def _random_model(cfg: ModelConfig, device, dtype, seed: int) -> Llama:
+    model = _skeleton(cfg).to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+    return _finish(model, device)
+
+
+def _fallback_tokenizer(cfg: ModelConfig):
+    """Random weights have no tokenizer of their own; borrow SmolLM2's when its ids fit the vocabulary."""
+    try:
+        from models.gguf import smollm2_gguf_path, gguf_tokenizer
+        tok = gguf_tokenizer(smollm2_gguf_path())
+    except Exception:
+        return None
+    return tok if tok.vocab_size <= cfg.vocab_size else None
