@@ -49,7 +49,7 @@ class ChatSession:
         ids = self.new_ids(self.render(pending))
         self.engine.check_fits(len(ids))  # before touching history: a too-long prompt loses nothing
         self.messages = pending
-        decoder = tok.stream_decoder()
+        decoder = tok.stream()
         pieces: list[str] = []
 
         def on_token(t: int) -> bool:
