@@ -41,12 +41,21 @@ for s in range(a.steps):
 times = times[8:]
 print(f"decode at {a.ctx}: median {statistics.median(times)*1000:.2f} ms/token, min {min(times)*1000:.2f}")
 print(f"peak memory {torch.cuda.max_memory_allocated()/2**30:.2f} GiB")
-from torch.profiler import profile, ProfilerActivity
-pos = a.ctx + a.steps - 4
-cache.truncate(pos) if hasattr(cache, "truncate") else None
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    lm.model(tok, pos, cache)
-    torch.cuda.synchronize()
-ev = [e for e in prof.events() if e.device_type.name == "CUDA"]
-print(f"kernels per decode step: {len(ev)}; GPU busy {sum(e.device_time for e in ev)/1000:.2f} ms")
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+from engine.cuda_graph import GraphedDecoder
+g = GraphedDecoder(lm.model, cache)
+pos = a.ctx
+cache.truncate(pos)
+eager = lm.model(tok, pos, cache).float()
+cache.truncate(pos)
+graphed = g.step(tok, pos).float()
+err = ((eager - graphed).norm() / eager.norm()).item()
+print(f"graph vs eager logits rel err {err:.2e}")
+times = []
+for s in range(a.steps):
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    logits = g.step(tok, pos + s)
+    tok = logits.argmax(-1, keepdim=True)
+    torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
+times = times[4:]
+print(f"graphed decode at {a.ctx}: median {statistics.median(times)*1000:.2f} ms/token, min {min(times)*1000:.2f}; graphs {len(g.graphs)}")
+print(f"peak memory {torch.cuda.max_memory_allocated()/2**30:.2f} GiB")

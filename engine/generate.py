@@ -40,7 +40,8 @@ def sync(device) -> None:
 class Engine:
     """Holds one model, one cache and the token ids the cache holds (`tokens`)."""
 
-    def __init__(self, loaded, cache: ModelCache, sampling: SamplingParams | None = None):
+    def __init__(self, loaded, cache: ModelCache, sampling: SamplingParams | None = None,
+                 use_cuda_graph: bool = True):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -50,6 +51,11 @@ class Engine:
         self.sampler = Sampler(self.sampling, self.device)
         self.tokens: list[int] = []
         self.eos_ids = set(loaded.cfg.eos_ids) | set(getattr(self.tokenizer, "eos_ids", []) or [])
+        self.graphed = None
+        if use_cuda_graph and self.device.type == "cuda":
+            from engine.cuda_graph import GraphedDecoder
+            if GraphedDecoder.supported(cache):
+                self.graphed = GraphedDecoder(self.model, cache)
 
     @property
     def max_len(self) -> int:
@@ -70,7 +76,10 @@ class Engine:
         """Feed ids after what the cache holds; returns logits of the last (or every) position."""
         self.check_fits(len(ids))
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits = self.model(x, len(self.tokens), self.cache, all_logits=all_logits)
+        if self.graphed is not None and len(ids) == 1 and not all_logits and self.tokens:
+            logits = self.graphed.step(x, len(self.tokens))
+        else:
+            logits = self.model(x, len(self.tokens), self.cache, all_logits=all_logits)
         self.tokens.extend(ids)
         return logits
 

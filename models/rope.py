@@ -41,11 +41,16 @@ class Rope(torch.nn.Module):
             self._cos, self._sin = emb.cos(), emb.sin()
         return self._cos, self._sin
 
-    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """x [B, H, T, D] at positions start_pos..start_pos+T-1."""
+    def forward(self, x: torch.Tensor, start_pos) -> torch.Tensor:
+        """x [B, H, T, D] at positions start_pos..start_pos+T-1. start_pos is an int, or a 0-dim device
+        tensor inside a CUDA graph (the tables must then be built beforehand with tables(max_len))."""
         t = x.shape[2]
-        cos, sin = self.tables(start_pos + t, x.device)
-        cos, sin = cos[start_pos:start_pos + t], sin[start_pos:start_pos + t]
+        if isinstance(start_pos, torch.Tensor):
+            pos = start_pos + torch.arange(t, device=x.device)
+            cos, sin = self._cos.index_select(0, pos), self._sin.index_select(0, pos)
+        else:
+            cos, sin = self.tables(start_pos + t, x.device)
+            cos, sin = cos[start_pos:start_pos + t], sin[start_pos:start_pos + t]
         xf = x.float()
         half = x.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)

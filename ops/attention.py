@@ -29,6 +29,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     return out
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None):
+    """One query per head over Tk keys, GQA by viewing q as [B, Hkv, group, D] (K and V are read once).
+    valid: optional [Tk] boolean (False = masked out), used by CUDA-graph decode over a padded buffer."""
+    b, hq, tq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, (hq // hkv) * tq, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * softmax_scale(d)
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(v.dtype), v)
+    return out.reshape(b, hq, tq, d)
+
+
 def attention_with_mask(q, k, v, mask=None):
     """Plain attention over the given keys; mask [.., Tq, Tk] boolean (True = attend) or None."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -1,0 +1,289 @@
+"""The sparse-offload policy (TailorKV's sparsity-friendly layers) and its selection ops (CPU, fp32).
+
+Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+import engine.policies.sparse as sparse
+from engine.cache import LayerSpec, ModelCache
+from engine.policies.full import FullCache
+from engine.policies.sparse import SparseOffloadCache
+from engine.settings import MethodSettings
+from ops.attention import attention_with_mask
+from ops.host_gather import gather_rows
+from ops.sparse_select import approx_scores, channel_scores, topk_channels, topk_tokens
+from tests.conftest import rel_err
+
+SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
+print(f"test_sparse seed: TAILORKV_SEED={SEED}")
+GQA = [(9, 3), (8, 2), (4, 4)]
+
+
+@pytest.fixture
+def gen(request):
+    return torch.Generator().manual_seed(SEED + zlib.crc32(request.node.name.encode()))
+
+
+@pytest.fixture
+def small_flush(monkeypatch):
+    monkeypatch.setattr(sparse, "FLUSH", 5)  # flush every few steps instead of every 128
+
+
+def spec_of(hq, hkv, D=16, B=1, max_len=256):
+    return LayerSpec(1, hq, hkv, D, max_len, B, torch.float32, torch.device("cpu"))
+
+
+def settings(**kw):
+    return MethodSettings(method="tailorkv", **{"sink": 4, "recent": 8, "budget": 1024, "channels": 4, **kw})
+
+
+def qkv(g, B, hq, hkv, T, D):
+    q = torch.randn(B, hq, T, D, generator=g)
+    k = torch.randn(B, hkv, T, D, generator=g) * torch.exp(torch.randn(D, generator=g))  # outlier channels
+    v = torch.randn(B, hkv, T, D, generator=g)
+    return q, k, v
+
+
+def check_regions(cache: SparseOffloadCache, K, V, kmax_exact=True):
+    """Every held token in exactly one region, each region's storage holding the right values."""
+    r = cache.regions()
+    pos = list(r["sink"]) + list(r["middle"]) + list(r["tail"])
+    assert pos == list(range(cache.length))
+    assert len(r["tail"]) <= cache.recent + sparse.FLUSH
+    s, m, t = r["sink"], r["middle"], r["tail"]
+    assert torch.equal(cache.sink_k[:, :, :len(s)], K[:, :, s.start:s.stop])
+    assert torch.equal(cache.sink_v[:, :, :len(s)], V[:, :, s.start:s.stop])
+    assert torch.equal(cache.host_k[:, :, m.start:m.stop], K[:, :, m.start:m.stop])
+    assert torch.equal(cache.host_v[:, :, m.start:m.stop], V[:, :, m.start:m.stop])
+    assert torch.equal(cache.host_kt[:, :, :, m.start:m.stop], K[:, :, m.start:m.stop].transpose(2, 3))
+    assert torch.equal(cache.tail_k[:, :, :len(t)], K[:, :, t.start:t.stop])
+    assert torch.equal(cache.tail_v[:, :, :len(t)], V[:, :, t.start:t.stop])
+    if kmax_exact:  # after a truncation max|K| may over-estimate (it keeps the dropped tokens)
+        assert torch.equal(cache.kmax, K.abs().amax(2))
+
+
+# --- (a) a budget covering the context reproduces `full`, across tail flushes ------------------------------
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_big_budget_equals_full(gen, small_flush, hq, hkv):
+    B, D, P = 2, 16, 40
+    spec = spec_of(hq, hkv, D, B)
+    sp, full = SparseOffloadCache(spec, settings(budget=spec.max_len)), FullCache(spec)
+    q, k, v = qkv(gen, B, hq, hkv, P, D)
+    assert rel_err(sp.attend(q, k, v, 0), full.attend(q, k, v, 0)) < 1e-5
+    flushed = 0
+    for step in range(20):
+        q, k, v = qkv(gen, B, hq, hkv, 1, D)
+        if step % 2:
+            sp.predict_query(torch.randn(B, hq, 1, D, generator=gen))
+        mid_before = len(sp.regions()["middle"])
+        out = sp.attend(q, k, v, P + step)
+        flushed += len(sp.regions()["middle"]) > mid_before
+        assert sp.stats()["middle_tokens"] == mid_before and sp.stats()["tokens_fetched"] == mid_before
+        assert rel_err(out, full.attend(q, k, v, P + step)) < 1e-5
+    assert flushed >= 2 and sp.length == full.length == P + 20
+
+
+# --- (b) with all channels, the chosen top-K is the exact top-K ---------------------------------------------
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_all_channels_gives_exact_topk(gen, hq, hkv):
+    B, D, N, K = 2, 16, 300, 24
+    q, k, _ = qkv(gen, B, hq, hkv, N, D)
+    q = q[:, :, :1]
+    chans = topk_channels(channel_scores(q, k.abs().amax(2)), D)
+    rows = gather_rows(k.transpose(2, 3).contiguous(), chans, torch.device("cpu"))
+    got = topk_tokens(approx_scores(q, rows, chans), K)
+    exact = (q.reshape(B, hkv, hq // hkv, D) @ k.transpose(2, 3)).sum(2)  # [B, Hkv, N]
+    want = exact.topk(K, dim=-1).indices
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_decode_attends_sink_topk_tail(gen, small_flush, hq, hkv):
+    """Through the cache, with r = D: output = attention over sink + exact top-K middle + tail + new token."""
+    B, D, P = 1, 16, 80
+    st = settings(budget=4 + 8 + 10, channels=D)
+    sp = SparseOffloadCache(spec_of(hq, hkv, D, B), st)
+    q, K, V = qkv(gen, B, hq, hkv, P, D)
+    sp.attend(q, K, V, 0)
+    for step in range(8):
+        q, k, v = qkv(gen, B, hq, hkv, 1, D)
+        r = sp.regions()
+        mid = torch.tensor(list(r["middle"]))
+        exact = (q.reshape(B, hkv, hq // hkv, D) @ K[:, :, mid].transpose(2, 3)).sum(2)
+        idx = mid[exact.topk(st.topk, dim=-1).indices]  # [B, Hkv, topk]
+        pick = lambda X: X.gather(2, idx[..., None].expand(-1, -1, -1, D))  # noqa: E731
+        keys = torch.cat([K[:, :, r["sink"].start:r["sink"].stop], pick(K), K[:, :, r["tail"].start:], k], 2)
+        vals = torch.cat([V[:, :, r["sink"].start:r["sink"].stop], pick(V), V[:, :, r["tail"].start:], v], 2)
+        out = sp.attend(q, k, v, P + step)
+        assert rel_err(out, attention_with_mask(q, keys, vals)) < 1e-5
+        s = sp.stats()
+        assert s["tokens_fetched"] == st.topk and s["middle_tokens"] == len(mid)
+        assert s["bytes_fetched"] == B * hkv * 4 * (D * len(mid) + 2 * st.topk * D)
+        K, V = torch.cat([K, k], 2), torch.cat([V, v], 2)
+    check_regions(sp, K, V)
+
+
+# --- (c) channel selection --------------------------------------------------------------------------------
+def test_channel_selection_hand_made():
+    # one KV head, a group of two query heads: the mean over the group cancels channel 3 (largest max|K|)
+    q = torch.tensor([[1.0, -3.0, 0.5, 2.0, 0.0, 0.1, 0.0, 0.0],
+                      [1.0, 1.0, 0.5, -2.0, 0.0, 0.1, 0.0, 0.0]]).reshape(1, 2, 1, 8)
+    kmax = torch.tensor([2.0, 5.0, 30.0, 100.0, 1.0, 1.0, 1.0, 1.0]).reshape(1, 1, 8)
+    s = channel_scores(q, kmax)  # |[1, -1, .5, 0, 0, .1, 0, 0]| * kmax = [2, 5, 15, 0, 0, .1, 0, 0]
+    assert torch.allclose(s, torch.tensor([2.0, 5.0, 15.0, 0, 0, 0.1, 0, 0]).reshape(1, 1, 8))
+    assert topk_channels(s, 3).tolist() == [[[2, 1, 0]]]
+
+
+def test_approx_scores_hand_made():
+    q = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 0.0, -1.0, 1.0]]).reshape(1, 2, 1, 4)  # group sum [2, 2, 2, 5]
+    kt = torch.arange(12.0).reshape(1, 1, 4, 3)  # K^T rows: channel c, token t = 3c + t
+    chans = torch.tensor([[[3, 0]]])
+    got = approx_scores(q, gather_rows(kt, chans, torch.device("cpu")), chans)
+    assert torch.allclose(got, torch.tensor([[[45.0, 52.0, 59.0]]]))
+    assert topk_tokens(got, 5).tolist() == [[[2, 1, 0]]]
+
+
+# --- (d) max|K| follows every token -----------------------------------------------------------------------
+def test_kmax_updated_by_generated_tokens(gen, small_flush):
+    B, hq, hkv, D, P = 1, 4, 2, 16, 30
+    sp = SparseOffloadCache(spec_of(hq, hkv, D, B), settings())
+    q, K, _ = qkv(gen, B, hq, hkv, P, D)
+    sp.attend(q, K, K, 0)
+    assert torch.equal(sp.kmax, K.abs().amax(2))
+    q, k, _ = qkv(gen, B, hq, hkv, 1, D)
+    k[0, 1, 0, 5] = -1000.0
+    sp.attend(q, k, k, P)
+    assert sp.kmax[0, 1, 5] == 1000.0
+    assert torch.equal(sp.kmax, torch.cat([K, k], 2).abs().amax(2))
+
+
+# --- (e) regions after prompts of any length, decodes, flushes, second turns, truncation --------------------
+@pytest.mark.parametrize("prompt", [2, 6, 12, 17, 60])
+def test_regions_bookkeeping(gen, small_flush, prompt):
+    B, hq, hkv, D = 2, 4, 2, 8
+    spec = spec_of(hq, hkv, D, B)
+    sp, full = SparseOffloadCache(spec, settings(budget=spec.max_len)), FullCache(spec)
+    K = V = torch.zeros(B, hkv, 0, D)
+    for T in [prompt] + [1] * 13 + [3] + [1] * 9 + [20] + [1] * 4:
+        q, k, v = qkv(gen, B, hq, hkv, T, D)
+        L = sp.length
+        assert rel_err(sp.attend(q, k, v, L), full.attend(q, k, v, L)) < 1e-5
+        K, V = torch.cat([K, k], 2), torch.cat([V, v], 2)
+        check_regions(sp, K, V)
+        if T > 1 and sp.length > sp.sink:
+            assert len(sp.regions()["tail"]) == min(sp.recent, sp.length - sp.sink)
+    t = sp.regions()["tail"]
+    sp.truncate(t.start + 1)  # cutting the tail is fine
+    check_regions(sp, K[:, :, :t.start + 1], V[:, :, :t.start + 1], kmax_exact=False)
+    if len(sp.regions()["middle"]):
+        with pytest.raises(RuntimeError):
+            sp.truncate(t.start - 1)
+    sp.truncate(0)
+    assert sp.length == 0 and sp.regions()["middle"] == range(sp.sink, sp.sink)
+
+
+def test_byte_counts():
+    spec = spec_of(8, 2, 16, 1, max_len=256)
+    sp = SparseOffloadCache(spec, settings())
+    assert sp.host_bytes() == 3 * 2 * 256 * 16 * 4
+    assert sp.device_bytes() == (2 * 4 + 2 * (8 + sparse.FLUSH)) * 2 * 16 * 4 + 2 * 16 * 4
+
+
+# --- (f) the predicted query picks the channels -------------------------------------------------------------
+def test_predicted_query_selects_channels(gen, monkeypatch):
+    B, hq, hkv, D, P = 1, 4, 2, 16, 64
+    sp = SparseOffloadCache(spec_of(hq, hkv, D, B), settings(budget=4 + 8 + 6, channels=1))
+    _, K, V = qkv(gen, B, hq, hkv, P, D)
+    sp.attend(torch.randn(B, hq, P, D, generator=gen), K, V, 0)
+    chosen = []
+    monkeypatch.setattr(sparse, "topk_channels", lambda s, r: chosen.append(topk_channels(s, r)) or chosen[-1])
+    q = torch.zeros(B, hq, 1, D)
+    q[..., 5] = 1.0   # the current query points at channel 5 ...
+    q_hat = torch.zeros(B, hq, 1, D)
+    q_hat[..., 0] = 1.0  # ... the predicted one at channel 0
+    k, v = torch.randn(B, hkv, 1, D, generator=gen), torch.randn(B, hkv, 1, D, generator=gen)
+    sp.predict_query(q_hat)
+    sp.attend(q, k, v, P)
+    sp.attend(q, k, v, P + 1)  # no prediction for this step: the current query selects
+    assert chosen[0].flatten().tolist() == [0] * hkv
+    assert chosen[1].flatten().tolist() == [5] * hkv
+    assert sp.q_hat is None
+
+
+# --- (g) the prediction for layer l uses layer l's weights on layer l-1's normalized input -----------------
+def tiny_model(n_layers=3):
+    from models.config import ModelConfig
+    from models.loader import _random_model
+    cfg = ModelConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=64,
+                      head_dim=32, rope_theta=10000.0)
+    return cfg, _random_model(cfg, torch.device("cpu"), torch.float32, seed=SEED % 1000)
+
+
+def test_prediction_uses_next_layers_weights(gen):
+    from engine.methods import build_cache
+    from models.loader import LoadedModel
+    cfg, model = tiny_model()
+    st = MethodSettings(method="tailorkv", quant_layers=[0], sink=2, recent=4, budget=10, channels=4)
+    try:
+        cache = build_cache(LoadedModel(model, None, cfg, "tiny", "random"), st, max_len=64)
+    except ImportError:  # no quant policy yet: all layers sparse
+        spec = lambda i: LayerSpec(i, 4, 2, 32, 64, 1, torch.float32, torch.device("cpu"))  # noqa: E731
+        cache = ModelCache([SparseOffloadCache(spec(i), st) for i in range(3)], model.project_query, "tailorkv")
+    recorded, inputs = {}, {}
+    for i, layer in enumerate(cache.layers):
+        if layer.wants_query_prediction:
+            orig = layer.predict_query
+            layer.predict_query = lambda qh, i=i, orig=orig: (recorded.__setitem__(i, qh.clone()), orig(qh))
+    for i, block in enumerate(model.model.layers):
+        block.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0].clone()))
+    P = 20
+    model(torch.randint(0, 64, (1, P), generator=gen), 0, cache)
+    assert recorded == {}  # no prediction during prefill
+    model(torch.randint(0, 64, (1, 1), generator=gen), P, cache)
+    assert set(recorded) == {i for i in range(1, 3) if cache.layers[i].wants_query_prediction} and recorded
+    layers = model.model.layers
+
+    def by_hand(proj_layer, l):
+        x = layers[l - 1].input_layernorm(inputs[l - 1])
+        q = layers[proj_layer].self_attn.q_proj(x).view(1, 1, 4, 32).transpose(1, 2)
+        return model.rope(q, P)
+    for l, q_hat in recorded.items():
+        assert rel_err(q_hat, by_hand(l, l)) < 1e-6
+        assert rel_err(q_hat, by_hand(l - 1, l)) > 0.1
+
+
+def test_all_sparse_big_budget_model_equals_full(gen):
+    cfg, model = tiny_model(n_layers=2)
+    spec = lambda i: LayerSpec(i, 4, 2, 32, 64, 1, torch.float32, torch.device("cpu"))  # noqa: E731
+    st = MethodSettings(method="tailorkv", sink=2, recent=4, budget=64, channels=4)
+    sp = ModelCache([SparseOffloadCache(spec(i), st) for i in range(2)], model.project_query, "tailorkv")
+    full = ModelCache([FullCache(spec(i)) for i in range(2)], model.project_query, "full")
+    toks = torch.randint(0, 64, (1, 30), generator=gen)
+    assert rel_err(model(toks[:, :20], 0, sp), model(toks[:, :20], 0, full)) < 1e-5
+    for p in range(20, 30):
+        assert rel_err(model(toks[:, p:p + 1], p, sp), model(toks[:, p:p + 1], p, full)) < 1e-5
+
+
+# --- (h) a multi-token attend after prefill (a second chat turn) is exact ----------------------------------
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_multi_token_after_prefill_equals_full(gen, small_flush, hq, hkv):
+    B, D, P = 1, 16, 50
+    spec = spec_of(hq, hkv, D, B)
+    sp, full = SparseOffloadCache(spec, settings(budget=4 + 8 + 6)), FullCache(spec)  # small top-K
+    q, k, v = qkv(gen, B, hq, hkv, P, D)
+    sp.attend(q, k, v, 0), full.attend(q, k, v, 0)
+    for p in range(P, P + 7):  # sparse decode steps (not compared: top-K of a random middle)
+        q, k, v = qkv(gen, B, hq, hkv, 1, D)
+        sp.attend(q, k, v, p), full.attend(q, k, v, p)
+    assert len(sp.regions()["middle"]) > 0 and len(sp.regions()["tail"]) > sp.recent
+    q, k, v = qkv(gen, B, hq, hkv, 9, D)
+    mid = len(sp.regions()["middle"])
+    assert rel_err(sp.attend(q, k, v, P + 7), full.attend(q, k, v, P + 7)) < 1e-5
+    assert len(sp.regions()["tail"]) == sp.recent
+    assert sp.stats()["tokens_fetched"] == sp.stats()["middle_tokens"] == mid
