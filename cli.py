@@ -14,7 +14,8 @@ class UserError(click.ClickException):
     """One line naming the cause and the fix; exit status 1, no traceback."""
 
     def show(self, file=None):
-        err.print(f"[bold red]error:[/] {self.message}", markup=True, highlight=False)
+        from rich.markup import escape
+        err.print(f"[bold red]error:[/] {escape(self.message)}", highlight=False, soft_wrap=True)
 
 
 def friendly(fn):

@@ -1,0 +1,75 @@
+"""Multi-turn chat on SmolLM2: the cache is kept across turns, a turn prefills only its new tokens, and the
+logits equal a fresh prefill of the whole conversation. Ctrl-C keeps the history and a usable cache."""
+import pytest
+import torch
+
+from engine.chat import ChatSession
+from engine.generate import Engine
+from engine.methods import build_cache
+from engine.settings import MethodSettings
+from models.loader import load_model
+from tests.helpers import rel_err
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model("smollm2-135m")
+
+
+def new_chat(smol, method="full", **kw):
+    cache = build_cache(smol, MethodSettings(method, **kw), max_len=2048)
+    return ChatSession(Engine(smol, cache))
+
+
+def test_second_turn_prefills_only_new_tokens(smol):
+    chat = new_chat(smol)
+    eng = chat.engine
+    chat.send("My name is Ada and I live in Lisbon.", max_new_tokens=12)
+    held = list(eng.tokens)
+    seen = {}
+    real_forward = eng.forward
+
+    def spy(ids, all_logits=False):
+        out = real_forward(ids, all_logits)
+        if len(ids) > 1:
+            seen["ids"], seen["logits"] = list(ids), out.clone()
+        return out
+
+    eng.forward = spy
+    answer, stats = chat.send("What is my name?", max_new_tokens=12)
+    assert stats.prompt_tokens == len(seen["ids"]) < len(held)
+    assert eng.tokens[:len(held)] == held  # the first turn was not fed again
+    full_text = chat.render(chat.messages[:-1])
+    assert smol.tokenizer.decode(held + seen["ids"]) == full_text
+    fresh = new_chat(smol).engine
+    ref = fresh.forward(held + seen["ids"])
+    assert rel_err(seen["logits"], ref) < 1e-4
+
+
+def test_interrupt_keeps_history_and_cache(smol):
+    chat = new_chat(smol)
+    count = {"n": 0}
+
+    def stop_after_three(_):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        chat.send("Tell me a long story about a cat.", max_new_tokens=50, on_text=stop_after_three)
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"]
+    assert chat.messages[1]["content"]  # the partial answer is kept
+    eng = chat.engine
+    assert eng.cache.length == len(eng.tokens)
+    answer, _ = chat.send("What is the capital of France?", max_new_tokens=16)
+    assert "Paris" in answer
+
+
+def test_context_full_keeps_history(smol):
+    chat = new_chat(smol)
+    chat.send("Hi!", max_new_tokens=4)
+    before = [dict(m) for m in chat.messages]
+    from engine.generate import ContextTooLong
+    with pytest.raises(ContextTooLong):
+        chat.send("word " * 3000)
+    assert chat.messages == before
