@@ -244,5 +244,12 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...]) -> None:
             con.print(f"[bold red]error:[/] {e}")
 
 
+def _register_commands() -> None:
+    from engine.profile_cli import register as register_profile
+    register_profile(main)
+
+
+_register_commands()
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,167 @@
+"""Offline layer identification (TailorKV method point 1): how widely does each layer attend?
+
+For each layer we take the last n_q queries of a calibration prompt, compute softmax(q K^T / sqrt(D)) per query
+head over every key with the causal mask (row i, at position T - n_q + i, sees keys 0 .. T - n_q + i), keep the
+top k keys of each row and measure the attention mass they hold:
+
+    P = 1 - mean over (heads, rows) of the kept mass          (the paper's n_q - sum, normalized by n_q)
+
+A layer whose few top keys hold nearly all the mass (P small) is sparsity-friendly; a layer that spreads its
+attention (P > tau, 0.2 in the paper) is quantization-friendly, i.e. it gets the dense, low-bit cache.
+
+Choices, written down:
+- k = max(1, ceil(top * T)), T the total key count of the prompt (the paper's "5% of the keys"), the same k for
+  every row. The last rows see T - n_q + 1 .. T keys, so for T >> n_q the difference to "5% of the keys the
+  row can see" is below 1%. Masked keys have probability 0, so a k larger than a row's visible keys only keeps
+  the whole row (mass 1).
+- The causal mask is applied (the reference code omits it, which lets the last queries "see" the few keys
+  after them and changes P).
+- Scores and softmax in float32 whatever the model dtype; GQA is handled per KV head (each query head h reads
+  KV head h // group), one KV head at a time, so memory is [group * n_q, T] floats, never [T, T].
+- If the prompt is shorter than n_q, all of its queries are used.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from engine.cache import LayerCache, LayerSpec, ModelCache
+from ops.attention import causal_attention
+
+DEFAULT_N_Q = 32
+DEFAULT_TOP = 0.05
+DEFAULT_TAU = 0.2
+
+
+def top_k_count(n_keys: int, top: float) -> int:
+    """Keys kept per query row: ceil(top * n_keys), at least 1 (rounded first so 0.05 * 4000 gives 200)."""
+    return max(1, math.ceil(round(top * n_keys, 9)))
+
+
+def layer_p(q: torch.Tensor, k: torch.Tensor, n_q: int = DEFAULT_N_Q, top: float = DEFAULT_TOP,
+            q_offset: int | None = None) -> float:
+    """P of one layer as a float; see layer_p_tensor."""
+    return float(layer_p_tensor(q, k, n_q, top, q_offset))
+
+
+def layer_p_tensor(q: torch.Tensor, k: torch.Tensor, n_q: int = DEFAULT_N_Q, top: float = DEFAULT_TOP,
+                   q_offset: int | None = None) -> torch.Tensor:
+    """P of one layer, a 0-dim float64 tensor on q's device (no host sync inside the layer loop).
+    q [B, Hq, Tq, D] (roped) at positions q_offset.., k [B, Hkv, Tk, D] at positions 0..Tk-1; q_offset
+    defaults to Tk - Tq (the queries are the last ones of the prompt). Uses the last min(n_q, Tq) queries and
+    all Tk keys, causally masked; averages over batch, heads and rows."""
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if q_offset is None:
+        q_offset = tk - tq
+    group = hq // hkv
+    rows = min(n_q, tq)
+    kk = top_k_count(tk, top)
+    scale = 1.0 / math.sqrt(d)
+    q_last = q[:, :, tq - rows:].float()
+    qpos = torch.arange(q_offset + tq - rows, q_offset + tq, device=q.device)
+    visible = qpos[:, None] >= torch.arange(tk, device=q.device)[None, :]  # [rows, Tk]
+    kept = torch.zeros((), dtype=torch.float64, device=q.device)
+    for h in range(hkv):
+        qg = q_last[:, h * group:(h + 1) * group]  # [B, G, rows, D]: the query heads reading KV head h
+        scores = torch.matmul(qg, k[:, h:h + 1].float().transpose(-1, -2)) * scale  # [B, G, rows, Tk]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        kept = kept + torch.topk(probs, kk, dim=-1, sorted=False).values.sum(dtype=torch.float64)
+        del scores, probs
+    return (1.0 - kept / (b * hq * rows)).clamp(0.0, 1.0)  # float rounding can step a hair outside [0, 1]
+
+
+class CalibrationCache(LayerCache):
+    """Prefill-only layer policy for calibration: plain causal attention over the prompt (the same output as
+    the full cache) while it measures this layer's P. It keeps no KV after the call, so calibrating a long
+    prompt holds one layer's K and V at a time; decoding after it is not supported."""
+
+    name = "calibration"
+
+    def __init__(self, spec: LayerSpec, n_q: int = DEFAULT_N_Q, top: float = DEFAULT_TOP):
+        super().__init__(spec)
+        self.n_q, self.top = n_q, top
+        self.p_tensor: torch.Tensor | None = None
+        self.n_keys = 0
+
+    @property
+    def p(self) -> float | None:
+        return None if self.p_tensor is None else float(self.p_tensor)
+
+    def attend(self, q, k, v, start_pos):
+        if start_pos != 0:
+            raise RuntimeError("calibration takes the whole prompt in one prefill call")
+        t = k.shape[2]
+        self.p_tensor = layer_p_tensor(q, k, self.n_q, self.top, q_offset=0)
+        self.n_keys = t
+        self.length = t
+        return causal_attention(q, k, v, 0)
+
+    def reset(self) -> None:
+        super().reset()
+        self.p_tensor = None
+
+
+def calibration_cache(cfg, n_q: int, top: float, batch: int, device, dtype) -> ModelCache:
+    layers = [CalibrationCache(LayerSpec(i, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 0, batch, dtype,
+                                         torch.device(device)), n_q, top)
+              for i in range(cfg.n_layers)]
+    return ModelCache(layers, query_fn=None, method="calibration")
+
+
+def quant_layers_of(p: list[float], tau: float) -> list[int]:
+    """Quantization-friendly layers: P > tau."""
+    return [i for i, x in enumerate(p) if x > tau]
+
+
+def validate(n_q: int, top: float, tau: float) -> None:
+    if not 0.0 < tau < 1.0:
+        raise ValueError(f"--tau must lie strictly between 0 and 1, got {tau}")
+    if not 0.0 < top <= 1.0:
+        raise ValueError(f"--top must be a fraction of the keys in (0, 1], got {top}")
+    if n_q < 1:
+        raise ValueError(f"--n-q must be at least 1, got {n_q}")
+
+
+def profile_model(loaded, text_ids, n_q: int = DEFAULT_N_Q, top: float = DEFAULT_TOP, tau: float = DEFAULT_TAU,
+                  progress: Callable[[int, int], None] | None = None) -> dict:
+    """Run one calibration prefill of text_ids (list of ids, or a [T] / [B, T] tensor) through loaded.model and
+    return {"P": [...], "quant_layers": [...], "layer_types": [...], "tau", "n_q", "top", "top_k", "tokens"}.
+    progress(done, n_layers) is called as layers complete."""
+    validate(n_q, top, tau)
+    model, cfg = loaded.model, loaded.cfg
+    device = model.output_weight.device
+    ids = torch.as_tensor(text_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.numel() == 0 or ids.shape[1] < 1:
+        raise ValueError("the calibration text is empty: give --data a file with text in it")
+    n_tok = ids.shape[1]
+    if n_tok > cfg.max_context:
+        raise ValueError(f"the calibration prompt has {n_tok} tokens but {loaded.name} supports "
+                         f"{cfg.max_context}: lower --length")
+    cache = calibration_cache(cfg, n_q, top, ids.shape[0], device, model.output_weight.dtype)
+    n_layers = cfg.n_layers
+    if progress is not None:
+        cache.on_layer = lambda i, n: progress(i, n)
+    model(ids.to(device), 0, cache)
+    if progress is not None:
+        progress(n_layers, n_layers)
+    p = [float(layer.p) for layer in cache.layers]
+    quant = quant_layers_of(p, tau)
+    return {
+        "P": p,
+        "quant_layers": quant,
+        "layer_types": ["quant" if i in set(quant) else "sparse" for i in range(n_layers)],
+        "tau": tau,
+        "n_q": n_q,
+        "rows": min(n_q, n_tok),
+        "top": top,
+        "top_k": top_k_count(n_tok, top),
+        "tokens": n_tok,
+    }

@@ -1,0 +1,92 @@
+"""`quest`: query-aware page selection (Quest, Tang et al. 2024). The whole KV stays on the device, as in
+`full`, plus, per page of `settings.page` tokens, the per-channel min and max of the keys (updated as tokens
+arrive: the pages a step touches are recomputed from the stored keys).
+
+Decode (one token): each page gets an upper bound of q . k (ops/page_select.py; per KV head the max over its
+GQA group); the last, possibly partial, page is always kept and the top-scoring other pages fill the rest of
+`settings.budget` in whole pages; attention is exact over the chosen pages' tokens. While the context fits in
+the budget, decode attends over everything (equals `full`). Prefill and any multi-token step attend densely.
+Quest itself leaves the first two layers dense; here every layer of the method uses pages.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.cache import LayerCache, LayerSpec
+from engine.policies.full import ContextFull
+from engine.settings import MethodSettings
+from ops.attention import attention_with_mask, causal_attention
+from ops.page_select import page_scores, select_pages
+
+
+class QuestCache(LayerCache):
+    name = "quest"
+
+    def __init__(self, spec: LayerSpec, settings: MethodSettings):
+        super().__init__(spec)
+        self.page, self.budget = settings.page, settings.budget
+        if self.page < 1 or self.budget < self.page:
+            raise ValueError(f"quest: --budget ({self.budget}) must be at least one page ({self.page} tokens)")
+        B, H, D, dev, dt = spec.batch, spec.n_kv_heads, spec.head_dim, spec.device, spec.dtype
+        self.k = torch.zeros(B, H, spec.max_len, D, dtype=dt, device=dev)
+        self.v = torch.zeros_like(self.k)
+        n_pages = math.ceil(spec.max_len / self.page)
+        self.kmin = torch.zeros(B, H, n_pages, D, dtype=dt, device=dev)
+        self.kmax = torch.zeros_like(self.kmin)
+        self.last: dict = {}
+        self.selected: torch.Tensor | None = None  # token indices of the last sparse step (tests, debugging)
+
+    def attend(self, q, k, v, start_pos):
+        if start_pos > self.length:
+            raise RuntimeError(f"quest cache holds {self.length} tokens but got new ones at {start_pos}")
+        if start_pos < self.length:
+            self.truncate(start_pos)
+        T = k.shape[2]
+        end = start_pos + T
+        if end > self.spec.max_len:
+            raise ContextFull(end, self.spec.max_len)
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        self._update_pages(start_pos, end)
+        self.length = end
+        if T > 1 or end <= self.budget:
+            self.last = {"tokens_attended": end}
+            return causal_attention(q, self.k[:, :, :end], self.v[:, :, :end], start_pos)
+        n_pages = math.ceil(end / self.page)
+        scores = page_scores(q[:, :, 0], self.kmin[:, :, :n_pages], self.kmax[:, :, :n_pages])
+        idx = select_pages(scores, end, self.page, self.budget)              # [B, H, n]
+        gather = idx.unsqueeze(-1).expand(-1, -1, -1, self.spec.head_dim)
+        ks = self.k.gather(2, gather)
+        vs = self.v.gather(2, gather)
+        self.last = {"tokens_attended": idx.shape[2], "pages_selected": math.ceil(idx.shape[2] / self.page)}
+        self.selected = idx
+        return attention_with_mask(q, ks, vs)
+
+    def _update_pages(self, start: int, end: int) -> None:
+        """Recompute min/max of the pages that hold tokens [start, end) from the stored keys."""
+        p0, p1 = start // self.page, math.ceil(end / self.page)
+        seg = self.k[:, :, p0 * self.page:end]
+        pad = p1 * self.page - end
+        shape = (*seg.shape[:2], p1 - p0, self.page, seg.shape[3])
+        self.kmin[:, :, p0:p1] = F.pad(seg, (0, 0, 0, pad), value=float("inf")).reshape(shape).amin(3)
+        self.kmax[:, :, p0:p1] = F.pad(seg, (0, 0, 0, pad), value=float("-inf")).reshape(shape).amax(3)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.last = {}
+        self.selected = None
+
+    def truncate(self, length: int) -> None:
+        if length < self.length:
+            self.length = length
+            if length % self.page:  # the new last page is partial: drop the forgotten keys from its bounds
+                self._update_pages(length - length % self.page, length)
+
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.kmin, self.kmax))
+
+    def stats(self) -> dict:
+        return dict(self.last)

@@ -1,0 +1,126 @@
+"""`streamingllm`: attention sinks plus a sliding window (StreamingLLM, Xiao et al. 2024). The device keeps
+the first `settings.sink` tokens and the most recent `settings.budget - settings.sink` tokens; every token in
+between is evicted for good. Prefill (and any multi-token step) attends exactly over what is held plus the new
+tokens (causal among the new ones); then the new tokens are stored and the window slides.
+
+Layout: one buffer of `budget` slots, preallocated. Slots [0, sink) hold the sinks; slots [sink, budget) are a
+ring of the recent tokens (`head` is the next slot to write, `n_rec` how many are held). Invariant: while the
+ring is not full its tokens sit in slots [sink, sink + n_rec) and head == n_rec, so the held tokens are always
+slots [0, n_sink + n_rec). Decode keys are order-free (RoPE is already applied), so the ring needs no mask.
+
+Positions: we cache post-RoPE keys, so every key keeps its ORIGINAL position. The original StreamingLLM
+re-assigns positions within the cache (a query sees keys at 0..budget-1); with sink + recent within the model's
+context the difference is small. Equals `full` while length <= budget.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.cache import LayerCache, LayerSpec
+from engine.policies.full import ContextFull
+from engine.settings import MethodSettings
+from ops.attention import attention_with_mask, causal_attention
+
+
+class StreamingCache(LayerCache):
+    name = "streamingllm"
+
+    def __init__(self, spec: LayerSpec, settings: MethodSettings):
+        super().__init__(spec)
+        self.sink, self.budget = settings.sink, settings.budget
+        self.cap = self.budget - self.sink  # recent tokens kept
+        if self.sink < 0 or self.cap < 1:
+            raise ValueError(f"streamingllm: --budget ({self.budget}) must exceed --sink ({self.sink})")
+        shape = (spec.batch, spec.n_kv_heads, self.budget, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.v = torch.zeros_like(self.k)
+        self.reset()
+
+    def reset(self) -> None:
+        self.length = 0
+        self.n_sink = 0   # sink tokens held (< sink only while length < sink)
+        self.n_rec = 0    # recent tokens held in the ring
+        self.head = 0     # next ring slot to write
+        self.last: dict = {}
+
+    @property
+    def held(self) -> int:
+        return self.n_sink + self.n_rec
+
+    def positions(self) -> torch.Tensor:
+        """Original position of the token in each held slot [0, held) (tests, debugging)."""
+        ring = torch.arange(self.n_rec)
+        oldest = (self.head - self.n_rec) % self.cap
+        ring_pos = self.length - self.n_rec + (ring - oldest) % self.cap
+        return torch.cat([torch.arange(self.n_sink), ring_pos])
+
+    def attend(self, q, k, v, start_pos):
+        if start_pos > self.length:
+            raise RuntimeError(f"streamingllm cache holds {self.length} tokens but got new ones at {start_pos}")
+        if start_pos < self.length:
+            self.truncate(start_pos)
+        T = k.shape[2]
+        if start_pos + T > self.spec.max_len:
+            raise ContextFull(start_pos + T, self.spec.max_len)
+        if T == 1:
+            self._store(k, v)
+            out = attention_with_mask(q, self.k[:, :, :self.held], self.v[:, :, :self.held])
+            attended = self.held
+        else:
+            n = self.held
+            kk = torch.cat([self.k[:, :, :n], k], 2) if n else k
+            vv = torch.cat([self.v[:, :, :n], v], 2) if n else v
+            out = causal_attention(q, kk, vv, n)
+            attended = n + T
+            self._store(k, v)
+        self.length = start_pos + T
+        self.last = {"tokens_attended": attended}
+        return out
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append new tokens: sinks first, then the ring (only the last `cap` of a long block survive)."""
+        s = min(k.shape[2], self.sink - self.n_sink)
+        if s > 0:
+            self.k[:, :, self.n_sink:self.n_sink + s] = k[:, :, :s]
+            self.v[:, :, self.n_sink:self.n_sink + s] = v[:, :, :s]
+            self.n_sink += s
+        m = k.shape[2] - max(s, 0)
+        if m <= 0:
+            return
+        keep = min(m, self.cap)
+        rk, rv = k[:, :, -keep:], v[:, :, -keep:]
+        first = (self.head + m - keep) % self.cap
+        a = min(keep, self.cap - first)  # slots up to the end of the ring, then wrap to its start
+        lo = self.sink + first
+        self.k[:, :, lo:lo + a], self.v[:, :, lo:lo + a] = rk[:, :, :a], rv[:, :, :a]
+        self.k[:, :, self.sink:self.sink + keep - a] = rk[:, :, a:]
+        self.v[:, :, self.sink:self.sink + keep - a] = rv[:, :, a:]
+        self.head = (self.head + m) % self.cap
+        self.n_rec = min(self.cap, self.n_rec + m)
+
+    def truncate(self, length: int) -> None:
+        """Forget the newest tokens. Only possible while all of them are still held; afterwards the recent
+        window is shorter than `cap` until new tokens refill it."""
+        if length >= self.length:
+            return
+        if length == 0:
+            self.reset()
+            return
+        oldest = self.length - self.n_rec  # position of the oldest recent token held
+        if length < oldest and oldest != self.n_sink:
+            raise RuntimeError(f"streamingllm cache already evicted tokens before position {oldest}: cannot "
+                               f"go back to {length}; start a new chat (/reset)")
+        keep = max(0, length - oldest)
+        if keep:  # compact the surviving recents to the start of the ring, oldest first
+            slots = self.sink + (self.head - self.n_rec + torch.arange(keep, device=self.k.device)) % self.cap
+            self.k[:, :, self.sink:self.sink + keep] = self.k[:, :, slots].clone()
+            self.v[:, :, self.sink:self.sink + keep] = self.v[:, :, slots].clone()
+        self.n_rec, self.head = keep, keep % self.cap
+        self.n_sink = min(self.n_sink, length)
+        self.length = length
+
+    def device_bytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def stats(self) -> dict:
+        return dict(self.last)

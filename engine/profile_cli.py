@@ -1,0 +1,278 @@
+"""`tailorkv profile`: calibrate which layers are quantization-friendly and write the model's profile
+(JSON + PNG chart). cli.py calls `register(main)` to add the command."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+
+import click
+
+from engine.calibration import DEFAULT_N_Q, DEFAULT_TAU, DEFAULT_TOP
+
+DEFAULT_LENGTH = 4096
+SHORT_WARNING = 1024  # below this many calibration tokens P gets noisy
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+METHOD_NOTE = ("last n_q queries, per head softmax(q K^T / sqrt(D)) with the causal mask over all prompt keys "
+               "(fp32); keep k = max(1, ceil(top * T)) keys per row, T = prompt tokens; "
+               "P = 1 - mean over heads and rows of the kept mass; quant_layers = layers with P > tau")
+
+
+def _cli_module(main):
+    """The module that defines `main` (cli.py) holds the shared helpers; fall back to importing cli."""
+    mod = sys.modules.get(getattr(getattr(main, "callback", None), "__module__", ""), None)
+    if mod is not None and all(hasattr(mod, n) for n in ("model_options", "friendly", "load_with_progress")):
+        return mod
+    import cli
+    return cli
+
+
+def register(main) -> None:
+    cli = _cli_module(main)
+
+    @main.command("profile")
+    @cli.model_options
+    @click.option("--data", default=None, help="calibration text file (UTF-8)  [default: the built-in text]")
+    @click.option("--tau", type=float, default=DEFAULT_TAU, show_default=True,
+                  help="P above tau = quantization-friendly layer")
+    @click.option("--length", type=int, default=None,
+                  help=f"calibration tokens  [default: {DEFAULT_LENGTH}, capped by the model's context]")
+    @click.option("--n-q", "n_q", type=int, default=DEFAULT_N_Q, show_default=True,
+                  help="last queries of the prompt used")
+    @click.option("--top", type=float, default=DEFAULT_TOP, show_default=True,
+                  help="fraction of the keys kept per query row")
+    @click.option("--out", default=None,
+                  help="profile JSON  [default: configs/profiles/<model>.json]; the PNG goes next to it")
+    @cli.friendly
+    def profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out):
+        """Calibrate the layer types (TailorKV offline identification) and write the model's profile."""
+        run_profile(cli, model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out)
+
+
+def read_data(data: str | None) -> tuple[str, bytes, str]:
+    """(text, raw bytes, source label) of the calibration data."""
+    if data is None:
+        from engine.calibration_text import SOURCE, TEXT
+        return TEXT, TEXT.encode("utf-8"), SOURCE
+    if os.path.isdir(data):
+        raise ValueError(f"--data {data} is a folder: give a text file")
+    if not os.path.isfile(data):
+        raise ValueError(f"--data {data}: no such file (leave --data out to use the built-in text)")
+    with open(data, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--data {data} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from None
+    if not text.strip():
+        raise ValueError(f"--data {data} is empty: give a file with a few thousand tokens of text")
+    return text, raw, data
+
+
+def default_out(loaded) -> str:
+    """configs/<the family's "profile" entry>, else configs/profiles/<model name>.json. A random-weights
+    profile is meaningless: it goes to <name>-random.json, which no run loads, never over a real profile."""
+    from models.loader import CONFIG_DIR
+    rel = (loaded.family or {}).get("profile")
+    if rel and not loaded.random:
+        return os.path.join(CONFIG_DIR, rel)
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name) or "model"
+    return os.path.join(CONFIG_DIR, "profiles", f"{name}{'-random' if loaded.random else ''}.json")
+
+
+def png_path(json_path: str) -> str:
+    return os.path.splitext(json_path)[0] + ".png"
+
+
+def tailorkv_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("tailorkv")
+    except Exception:
+        pass
+    try:
+        import tomllib
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+            return tomllib.load(f)["project"]["version"]
+    except Exception:
+        return "unknown"
+
+
+def git_commit() -> str | None:
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        r = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except Exception:
+        return None
+    if r.returncode != 0:
+        return None
+    return r.stdout.strip() or None
+
+
+def reproduce_command(model, weights, random_weights, device: str, dtype: str, data, tau, length, n_q, top,
+                      out) -> str:
+    """The command line that reproduces the profile, every setting explicit."""
+    args = ["tailorkv", "profile", "--model", model]
+    if weights:
+        args += ["--weights", weights]
+    if random_weights:
+        args.append("--random-weights")
+    args += ["--device", device, "--dtype", dtype]
+    if data:
+        args += ["--data", data]
+    args += ["--tau", f"{tau:g}", "--length", str(length), "--n-q", str(n_q), "--top", f"{top:g}"]
+    if out:
+        args += ["--out", out]
+    return shlex.join(args)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomically(files: list[tuple[str, callable]]) -> None:
+    """Write every (path, writer(tmp_path)) to a temp file beside its target, then rename them all into place:
+    a failure leaves no partial file behind."""
+    temps: list[tuple[str, str]] = []
+    try:
+        for path, writer in files:
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+            os.close(fd)
+            temps.append((tmp, path))
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
+            writer(tmp)
+        for tmp, path in temps:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in temps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def run_profile(cli, model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out) -> dict:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+    import torch
+
+    from engine.calibration import profile_model, validate
+    from engine.profile_plot import plot_profile
+
+    err = cli.err
+    validate(n_q, top, tau)
+    if length is not None and length < 2:
+        raise ValueError(f"--length must be at least 2 tokens, got {length}")
+    if out is not None:
+        if os.path.isdir(out):
+            raise ValueError(f"--out {out} is a folder: give a file name like {os.path.join(out, 'model.json')}")
+        if out.lower().endswith(".png"):
+            raise ValueError("--out names the JSON profile (the PNG goes next to it): use a .json name")
+    text, raw, source = read_data(data)
+
+    dev = cli.pick_device(device)
+    dt = cli.pick_dtype(dtype, dev)
+    loaded = cli.load_with_progress(model, weights, random_weights, dev, dt)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
+    limit_ctx = loaded.cfg.max_context
+    if length is not None and length > limit_ctx:
+        raise ValueError(f"--length {length} is beyond what {loaded.name} supports ({limit_ctx} tokens): "
+                         f"lower --length")
+    want = length if length is not None else min(DEFAULT_LENGTH, limit_ctx)
+    bos = [tok.bos_id] if getattr(tok, "add_bos", False) and tok.bos_id is not None else []
+    all_ids = bos + tok.encode(text)
+    ids = all_ids[:want]
+    if len(ids) < 2:
+        raise ValueError(f"the calibration text gives only {len(ids)} token(s): give --data more text")
+    if len(all_ids) < want:
+        err.print(f"[yellow]the calibration text has {len(all_ids)} tokens, fewer than --length {want}: "
+                  f"using all of them[/]")
+    if len(ids) < SHORT_WARNING:
+        err.print(f"[yellow]{len(ids)} calibration tokens: P from a short prompt is noisy "
+                  f"(use a few thousand tokens)[/]")
+
+    t0 = time.perf_counter()
+    with Progress(TextColumn("[cyan]calibrating {task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} layers"), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task(f"{len(ids)} tokens", total=loaded.cfg.n_layers)
+        res = profile_model(loaded, ids, n_q=n_q, top=top, tau=tau,
+                            progress=lambda i, n: bar.update(task, completed=i, total=n))
+    secs = time.perf_counter() - t0
+
+    out_path = out or default_out(loaded)
+    if loaded.random:
+        err.print("[yellow]random weights: this profile says nothing about the real model; runs do not load it[/]")
+    dtype_name = DTYPE_NAMES.get(str(dt), str(dt))
+    dev_name = str(dev) if dev.index is not None else dev.type
+    src = loaded.source
+    if ":" in src:
+        kind, _, path = src.partition(":")
+        src = f"{kind}:{os.path.basename(os.path.normpath(path))}"
+    prof = {
+        "model": loaded.name,
+        "weights": src,
+        "n_layers": loaded.cfg.n_layers,
+        "P": [round(x, 6) for x in res["P"]],
+        "tau": tau,
+        "n_q": n_q,
+        "top": top,
+        "top_k": res["top_k"],
+        "quant_layers": res["quant_layers"],
+        "layer_types": res["layer_types"],
+        "calibration": {
+            "source": source,
+            "sha256": hashlib.sha256(raw).hexdigest(),
+            "tokens": len(ids),
+            "text_tokens": len(all_ids),
+            "bos": bool(bos),
+        },
+        "method": METHOD_NOTE,
+        "device": dev_name,
+        "dtype": dtype_name,
+        "command": reproduce_command(model, weights, random_weights, dev_name, dtype_name, data, tau, want,
+                                     n_q, top, out),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tailorkv_version": tailorkv_version(),
+        "torch_version": torch.__version__,
+        "git_head": git_commit(),  # the commit the working tree was based on
+        "seconds": round(secs, 2),
+    }
+    img_path = png_path(out_path)
+
+    def write_json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(prof, f, indent=2)
+            f.write("\n")
+
+    write_atomically([(img_path, lambda tmp: plot_profile(prof, tmp)), (out_path, write_json)])
+
+    con = Console(highlight=False)
+    con.print(f"[bold]{loaded.name}[/]: P per layer from {len(ids)} calibration tokens, last {res['rows']} "
+              f"queries, top {res['top_k']} keys per row; tau = {tau:g}")
+    table = Table()
+    table.add_column("layer", justify="right")
+    table.add_column("P", justify="right")
+    table.add_column("type")
+    for i, (p, kind) in enumerate(zip(res["P"], res["layer_types"])):
+        label = "[bold yellow]quantization-friendly[/]" if kind == "quant" else "sparsity-friendly"
+        table.add_row(str(i), f"{p:.4f}", label)
+    con.print(table)
+    q = res["quant_layers"]
+    con.print(f"quantization-friendly layers: {', '.join(map(str, q)) if q else 'none'} "
+              f"({len(q)} of {loaded.cfg.n_layers}); calibration took {secs:.1f} s")
+    con.print(f"wrote {out_path}")
+    con.print(f"wrote {img_path}")
+    return prof

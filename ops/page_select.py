@@ -1,0 +1,56 @@
+"""Quest page scoring and selection (torch references).
+
+A page is `page` consecutive tokens. For each (batch, KV head, page, channel) the cache keeps the min and max
+of the page's (post-RoPE) keys. Since min_d <= k_d <= max_d, every term q_d * k_d <= max(q_d * min_d,
+q_d * max_d), so
+
+    bound(q, page) = sum_d max(q_d * min_d, q_d * max_d) >= q . k   for every key k in the page.
+
+With q+ = max(q, 0) and q- = min(q, 0) the bound is q+ . max + q- . min: two small matmuls, no [.., P, D]
+temporary.
+
+GQA: the query heads of one KV head share that head's selected pages, so a page's score per KV head is the
+MAX of its bounds over the group's query heads (a page is kept if any head of the group may need it; the max
+stays an upper bound of every group head's q . k in the page).
+"""
+from __future__ import annotations
+
+import torch
+
+from ops.dispatch import op
+
+
+def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, D], kmin/kmax [B, Hkv, P, D] -> fp32 [B, Hq, P]: the upper bound of q . k over each page."""
+    B, Hq, D = q.shape
+    H, P = kmin.shape[1], kmin.shape[2]
+    qg = q.float().reshape(B, H, Hq // H, D)
+    pos, neg = qg.clamp(min=0), qg.clamp(max=0)
+    bound = pos @ kmax.float().transpose(-1, -2) + neg @ kmin.float().transpose(-1, -2)  # [B, H, G, P]
+    return bound.reshape(B, Hq, P)
+
+
+@op("quest_page_scores")
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, D], kmin/kmax [B, Hkv, P, D] -> fp32 [B, Hkv, P]: per KV head, the max over its GQA group of
+    the page bounds."""
+    B, Hq, _ = q.shape
+    H, P = kmin.shape[1], kmin.shape[2]
+    return page_bounds(q, kmin, kmax).reshape(B, H, Hq // H, P).amax(2)
+
+
+def select_pages(scores: torch.Tensor, length: int, page: int, budget: int) -> torch.Tensor:
+    """Token indices to attend for each (batch, KV head): the last (possibly partial) page always, plus the
+    highest-scoring other pages, as many whole pages as fit so that the total stays <= budget.
+
+    scores [B, H, P] with P = ceil(length / page). Returns long [B, H, n], pages in ascending order,
+    n = n_top * page + (length - (P - 1) * page)."""
+    B, H, P = scores.shape
+    last = P - 1
+    last_count = length - last * page
+    n_top = max(0, min(last, (budget - last_count) // page))
+    top = scores[..., :last].topk(n_top, dim=-1).indices.sort(-1).values            # [B, H, n_top]
+    offs = torch.arange(page, device=scores.device)
+    idx_top = (top.unsqueeze(-1) * page + offs).reshape(B, H, n_top * page)
+    idx_last = torch.arange(last * page, length, device=scores.device).expand(B, H, last_count)
+    return torch.cat([idx_top, idx_last], -1)

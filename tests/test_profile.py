@@ -1,0 +1,322 @@
+"""Layer calibration (`tailorkv profile`): P against an independent brute force, the causal mask, the CLI."""
+import json
+import math
+import os
+import shlex
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from engine.cache import LayerCache
+from engine.calibration import CalibrationCache, layer_p, profile_model
+from models.loader import load_model
+from ops.attention import causal_attention
+
+N_LAYERS, N_HEADS, N_KV, HEAD_DIM, VOCAB = 3, 8, 2, 8, 300
+
+
+# ---------------------------------------------------------------- a tiny HF folder (weights + byte tokenizer)
+
+def write_tiny_folder(folder, seed=0, std=0.15):
+    """config.json + model.safetensors (random Llama, no transformers needed) + a byte-level tokenizer.json."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from models.config import ModelConfig
+    from models.llama import Llama
+
+    os.makedirs(folder, exist_ok=True)
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+          "intermediate_size": 96, "num_hidden_layers": N_LAYERS, "num_attention_heads": N_HEADS,
+          "num_key_value_heads": N_KV, "head_dim": HEAD_DIM, "vocab_size": VOCAB,
+          "max_position_embeddings": 1024, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+          "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f)
+    torch.manual_seed(seed)
+    model = Llama(ModelConfig.from_hf(hf))
+    tensors = {}
+    for name, p in model.named_parameters():
+        tensors[name] = (torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * std).contiguous()
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_folder(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir)
+
+
+# ---------------------------------------------------------------- brute force, written independently
+
+def brute_p(q, k, n_q, top, causal=True):
+    """P from the explicit full [T, T] softmax in float64 numpy. q [Hq, T, D], k [Hkv, T, D]."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    hq, t, d = q.shape
+    group = hq // k.shape[0]
+    keep = max(1, math.ceil(round(top * t, 9)))
+    kept = []
+    for h in range(hq):
+        s = q[h] @ k[h // group].T / math.sqrt(d)  # [T, T]
+        if causal:
+            s = np.where(np.tril(np.ones((t, t), dtype=bool)), s, -np.inf)
+        a = np.exp(s - s.max(axis=1, keepdims=True))
+        a /= a.sum(axis=1, keepdims=True)
+        for row in a[t - min(n_q, t):]:
+            kept.append(np.sort(row)[::-1][:keep].sum())
+    return 1.0 - float(np.mean(kept))
+
+
+class Recorder(LayerCache):
+    """Keeps each layer's q and k; same output as the calibration cache so both runs see the same tensors."""
+
+    def __init__(self, spec=None):
+        self.length = 0
+        self.q = self.k = None
+
+    def attend(self, q, k, v, start_pos):
+        self.q, self.k = q[0].clone(), k[0].clone()
+        return causal_attention(q, k, v, start_pos)
+
+
+def record_qk(loaded, ids):
+    from engine.cache import ModelCache
+    cache = ModelCache([Recorder() for _ in range(loaded.cfg.n_layers)])
+    loaded.model(torch.tensor([ids]), 0, cache)
+    return [(layer.q, layer.k) for layer in cache.layers]
+
+
+def tiny_ids(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+
+# ---------------------------------------------------------------- P
+
+@pytest.mark.parametrize("n_tok,n_q,top", [(200, 32, 0.05), (77, 32, 0.1), (20, 32, 0.05), (150, 5, 0.01)])
+def test_p_matches_brute_force_every_layer(tiny, n_tok, n_q, top):
+    ids = tiny_ids(n_tok)
+    res = profile_model(tiny, ids, n_q=n_q, top=top, tau=0.2)
+    assert len(res["P"]) == N_LAYERS
+    for i, (q, k) in enumerate(record_qk(tiny, ids)):
+        assert res["P"][i] == pytest.approx(brute_p(q, k, n_q, top), abs=2e-6), f"layer {i}"
+        assert 0.0 <= res["P"][i] <= 1.0
+    assert res["quant_layers"] == [i for i, p in enumerate(res["P"]) if p > 0.2]
+    assert res["top_k"] == max(1, math.ceil(top * n_tok - 1e-9))
+
+
+def test_causal_mask_matters_in_the_model(tiny):
+    """On the tiny model P with the mask differs from P without it (and we match the masked one)."""
+    ids = tiny_ids(120, seed=3)
+    res = profile_model(tiny, ids, n_q=32, top=0.05)
+    diffs = []
+    for i, (q, k) in enumerate(record_qk(tiny, ids)):
+        masked, unmasked = brute_p(q, k, 32, 0.05), brute_p(q, k, 32, 0.05, causal=False)
+        assert res["P"][i] == pytest.approx(masked, abs=2e-6)
+        diffs.append(abs(masked - unmasked))
+    assert max(diffs) > 1e-3
+
+
+def test_causal_mask_future_keys_dominate():
+    """A key placed after every query row but the last attracts all attention if the mask is missing."""
+    g = torch.Generator().manual_seed(0)
+    t, d = 64, 16
+    q = torch.randn(1, 4, t, d, generator=g) * 0.1
+    k = torch.randn(1, 2, t, d, generator=g) * 0.1
+    q[..., 0] = 3.0
+    k[:, :, -1, 0] = 40.0  # the last key: huge score for every query, visible only to the last row
+    p = layer_p(q, k, n_q=32, top=0.05)
+    assert p == pytest.approx(brute_p(q[0], k[0], 32, 0.05), abs=1e-6)
+    assert brute_p(q[0], k[0], 32, 0.05, causal=False) < 1e-3  # unmasked: one key holds everything
+    assert p > 0.1
+
+
+def test_p_bounds_and_extremes():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 50, 8, generator=g) * 3
+    k = torch.randn(2, 3, 50, 8, generator=g) * 3
+    assert layer_p(q, k, top=1.0) == pytest.approx(0.0, abs=1e-6)  # keep every key: nothing is lost
+    for top in (0.001, 0.05, 0.5):
+        assert 0.0 <= layer_p(q, k, top=top) <= 1.0
+    uniform = layer_p(torch.zeros(1, 2, 100, 8), torch.zeros(1, 1, 100, 8), n_q=1, top=0.05)
+    assert uniform == pytest.approx(1 - 5 / 100, abs=1e-6)  # last row sees 100 keys, keeps 5
+
+
+def test_calibration_output_equals_full_attention(tiny):
+    """The calibration prefill returns the normal attention output: logits equal a full-cache run."""
+    from engine.calibration import calibration_cache
+    from engine.methods import build_cache
+    from engine.settings import MethodSettings
+    ids = torch.tensor([tiny_ids(90, seed=7)])
+    ref = tiny.model(ids, 0, build_cache(tiny, MethodSettings(), 128), all_logits=True)
+    cal = calibration_cache(tiny.cfg, 32, 0.05, 1, "cpu", torch.float32)
+    got = tiny.model(ids, 0, cal, all_logits=True)
+    torch.testing.assert_close(got, ref)
+    assert all(isinstance(layer, CalibrationCache) and layer.p is not None for layer in cal.layers)
+
+
+def test_progress_hook_reaches_every_layer(tiny):
+    seen = []
+    profile_model(tiny, tiny_ids(40), progress=lambda i, n: seen.append((i, n)))
+    assert seen[-1] == (N_LAYERS, N_LAYERS) and [i for i, _ in seen[:N_LAYERS]] == list(range(N_LAYERS))
+
+
+def test_bad_settings_raise():
+    from engine.calibration import validate
+    for kw in ({"tau": 0.0}, {"tau": 1.0}, {"tau": -0.1}, {"top": 0.0}, {"top": 1.5}, {"n_q": 0}):
+        args = {"n_q": 32, "top": 0.05, "tau": 0.2, **kw}
+        with pytest.raises(ValueError):
+            validate(**args)
+
+
+# ---------------------------------------------------------------- the CLI
+
+@pytest.fixture(scope="module")
+def cli_main():
+    from cli import main
+    if "profile" not in main.commands:
+        from engine.profile_cli import register
+        register(main)
+    return main
+
+
+TEXT = ("The river bends twice before it reaches the town, and each bend has a name. The first is called "
+        "the Elbow, because of its shape; the second is called Martha's Turn, after a ferrywoman who worked "
+        "there for forty years. Children learn both names before they learn to swim.\n") * 2
+
+
+def test_cli_writes_json_and_png(cli_main, tiny_dir, tmp_path):
+    data = tmp_path / "calib.txt"
+    data.write_text(TEXT)
+    out = tmp_path / "profiles" / "tiny.json"
+    args = ["profile", "--model", tiny_dir, "--device", "cpu", "--data", str(data), "--length", "300",
+            "--out", str(out)]
+    r = CliRunner().invoke(cli_main, args)
+    assert r.exit_code == 0, r.output
+    prof = json.loads(out.read_text())
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(prof["P"]) == N_LAYERS and all(0 <= p <= 1 for p in prof["P"])
+    assert prof["quant_layers"] == [i for i, p in enumerate(prof["P"]) if p > prof["tau"]]
+    assert prof["tau"] == 0.2 and prof["n_q"] == 32 and prof["top"] == 0.05
+    cal = prof["calibration"]
+    assert cal["tokens"] == 300 and cal["source"] == str(data)
+    import hashlib
+    assert cal["sha256"] == hashlib.sha256(TEXT.encode()).hexdigest()
+    for key in ("date", "tailorkv_version", "torch_version", "command"):
+        assert prof[key]
+    cmd = shlex.split(prof["command"])
+    assert cmd[:2] == ["tailorkv", "profile"]
+    for flag, val in (("--model", tiny_dir), ("--data", str(data)), ("--length", "300"), ("--tau", "0.2"),
+                      ("--n-q", "32"), ("--top", "0.05"), ("--out", str(out))):
+        assert cmd[cmd.index(flag) + 1] == val
+    assert "quantization-friendly" in r.output or "sparsity-friendly" in r.output
+    assert not [n for n in os.listdir(out.parent) if n.endswith(".tmp")]
+    assert os.stat(out).st_mode & 0o044 == 0o044 or os.umask(os.umask(0)) & 0o044  # readable by others
+
+    # the recorded command reproduces the profile
+    os.remove(out)
+    r2 = CliRunner().invoke(cli_main, cmd[1:])
+    assert r2.exit_code == 0, r2.output
+    assert json.loads(out.read_text())["P"] == prof["P"]
+
+
+def _one_error_line(r):
+    """One error message, no traceback. (rich soft-wraps it at 80 columns when stderr is not a terminal,
+    so the lines are joined back before checking.)"""
+    text = (r.stderr if hasattr(r, "stderr") else r.output).strip()
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output
+    assert text.startswith("error:") and text.count("error:") == 1, text
+    return " ".join(line.strip() for line in text.splitlines())
+
+
+def test_cli_missing_data_is_a_clean_error(cli_main, tiny_dir, tmp_path):
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu",
+                                      "--data", str(tmp_path / "nope.txt"), "--out", str(out)])
+    assert "no such file" in _one_error_line(r)
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_empty_data_and_bad_tau(cli_main, tiny_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu",
+                                      "--data", str(empty), "--out", str(out)])
+    assert "empty" in _one_error_line(r)
+    r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--tau", "1.5",
+                                      "--out", str(out)])
+    assert "--tau" in _one_error_line(r)
+    assert sorted(os.listdir(tmp_path)) == ["empty.txt"]
+
+
+def test_failed_write_leaves_no_file(tmp_path):
+    from engine.profile_cli import write_atomically
+    a, b = tmp_path / "a.png", tmp_path / "a.json"
+
+    def boom(tmp):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_atomically([(str(a), lambda tmp: open(tmp, "w").write("x")), (str(b), boom)])
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- the shipped SmolLM2 profile
+
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "configs", "profiles", "smollm2-135m.json")
+CHECK_LAYERS = 4  # P of layer l depends only on layers 0..l: re-run the first few to stay well under a minute
+
+
+@pytest.mark.slow
+def test_shipped_smollm2_profile_reproduces():
+    """Re-run the recorded settings on the first CHECK_LAYERS layers and compare with the shipped P."""
+    if not os.path.isfile(SHIPPED):
+        pytest.skip("no shipped SmolLM2 profile")
+    with open(SHIPPED) as f:
+        prof = json.load(f)
+    cmd = shlex.split(prof["command"])
+
+    def opt(name, default=None):
+        return cmd[cmd.index(name) + 1] if name in cmd else default
+
+    assert opt("--data") is None and prof["dtype"] == "fp32"
+    try:
+        loaded = load_model(opt("--model"))
+    except Exception as e:  # noqa: BLE001 - the GGUF package may be absent
+        pytest.skip(f"SmolLM2 weights unavailable: {e}")
+    from engine.calibration_text import TEXT
+    import hashlib
+    assert hashlib.sha256(TEXT.encode()).hexdigest() == prof["calibration"]["sha256"]
+    ids = loaded.tokenizer.encode(TEXT)[: int(opt("--length"))]
+    assert len(ids) == prof["calibration"]["tokens"]
+    loaded.model.model.layers = loaded.model.model.layers[:CHECK_LAYERS]
+    loaded.cfg = type(loaded.cfg)(**{**loaded.cfg.to_dict(), "n_layers": CHECK_LAYERS})
+    res = profile_model(loaded, ids, n_q=int(opt("--n-q")), top=float(opt("--top")), tau=float(opt("--tau")))
+    assert res["P"] == pytest.approx(prof["P"][:CHECK_LAYERS], abs=1e-4)
+    assert res["quant_layers"] == [i for i in prof["quant_layers"] if i < CHECK_LAYERS]
+
+
+def test_random_weights_never_overwrite_a_real_profile():
+    from types import SimpleNamespace
+    from engine.profile_cli import default_out
+    fam = {"profile": "profiles/smollm2-135m.json"}
+    real = default_out(SimpleNamespace(family=fam, random=False, name="smollm2-135m"))
+    rand = default_out(SimpleNamespace(family=fam, random=True, name="smollm2-135m"))
+    assert real.endswith(os.path.join("configs", "profiles", "smollm2-135m.json"))
+    assert rand.endswith("smollm2-135m-random.json")
