@@ -246,7 +246,9 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...]) -> None:
 
 def _register_commands() -> None:
     from engine.profile_cli import register as register_profile
+    from engine.bench_cli import register as register_bench
     register_profile(main)
+    register_bench(main)
 
 
 _register_commands()

@@ -1,0 +1,429 @@
+"""Latency and memory sweeps over (method, context) on one loaded model: the driver behind `tailorkv bench`.
+
+Pure functions, no CLI. One cell = build a fresh cache for (method, ctx), prefill random token ids, decode
+greedily (warm-up steps first, then timed steps), read the cache's byte counts and counters, free it all.
+
+Per decode step the physical floor is the bytes the step must move over the bandwidth that moves them:
+    hbm_ms  = (weight bytes read + KV bytes read on the device) / HBM bandwidth
+    pcie_ms = PCIe bytes of the step / PCIe bandwidth
+    floor_ms = max(hbm_ms, pcie_ms)   (the two can overlap; nothing can beat the slower one)
+KV bytes read on the device: the policy's stats() key "kv_read_bytes" when it reports one; else its
+"tokens_attended" (summed over layers by ModelCache.stats) x one token's K and V in one layer; else
+cache.device_bytes() (an upper bound: everything the cache holds on the device). PCIe bytes: the sum of every
+stats() key that starts with "bytes_" or names a direction ("h2d", "d2h"). stats() reports the last step
+(engine.cache.LayerCache.stats), so it is read after each timed step and each key's median is kept.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.methods import build_cache
+from engine.settings import MethodSettings
+
+HBM_GBPS = 4300.0   # H200 device-to-device copy, read + write (DESIGN.md, "Measured on the lent H200 machine")
+PCIE_GBPS = 55.0    # H200 host, pinned host-to-device copy (same place)
+MARGIN = 16         # free cache slots left after prefill + warm-up + timed steps
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class BenchPlan:
+    ctxs: list[int]
+    methods: list[str]
+    settings: dict[str, MethodSettings] = field(default_factory=dict)  # per method; default MethodSettings
+    decode_steps: int = 64
+    warmup: int = 8
+    batch: int = 1
+    seed: int = 0
+    hbm_gbps: float = HBM_GBPS
+    pcie_gbps: float = PCIE_GBPS
+    margin: int = MARGIN
+
+    def settings_for(self, method: str) -> MethodSettings:
+        return self.settings.get(method) or MethodSettings(method=method)
+
+    def prompt_len(self, ctx: int) -> int:
+        return ctx - self.warmup - self.decode_steps - self.margin
+
+    def validate(self, max_context: int | None = None) -> None:
+        if not self.methods:
+            raise ValueError("--methods is empty: name at least one method, e.g. full")
+        if not self.ctxs:
+            raise ValueError("--ctx is empty: give at least one context length, e.g. 8k")
+        if self.decode_steps < 1 or self.warmup < 0 or self.batch < 1:
+            raise ValueError("--decode-steps and --batch must be at least 1 and --warmup at least 0")
+        for ctx in self.ctxs:
+            if self.prompt_len(ctx) < 1:
+                raise ValueError(f"--ctx {ctx} leaves no room for a prompt after {self.warmup} warm-up and "
+                                 f"{self.decode_steps} decode steps: raise --ctx or lower --decode-steps")
+            if max_context is not None and ctx > max_context:
+                raise ValueError(f"--ctx {ctx} is beyond what the model supports ({max_context} tokens): lower --ctx")
+
+
+# --- sizes and environment ---------------------------------------------------------------------------------
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24GB', '24G', '512MiB', '1e9' -> bytes (G/M/K without 'B' mean binary units)."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text or "")
+    if not m:
+        raise ValueError(f"'{text}' is not a size: write e.g. 24GiB, 24GB or 512MiB")
+    num, unit, suffix = float(m.group(1)), m.group(2).upper(), m.group(3) or ""
+    base = 1000 if suffix.lower() == "b" and unit else 1024
+    return int(num * base ** " KMGT".index(unit or " "))
+
+
+def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of all parameters, bytes one decode step reads): an untied embedding table is read one row
+    per token, not whole, so it is left out of the second figure."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    read = total
+    emb = model.model.embed_tokens.weight
+    if emb is not model.output_weight:
+        read -= emb.numel() * emb.element_size()
+    return total, read
+
+
+def process_rss() -> int | None:
+    try:
+        import psutil
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=REPO)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def environment(device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    env = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "git_commit": _run(["git", "rev-parse", "HEAD"]) or "unknown",
+        "git_dirty": None if status is None else bool(status),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+        "driver": None,
+    }
+    if cuda:
+        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        env["driver"] = smi.splitlines()[0].strip() if smi else None
+    return env
+
+
+def set_memory_limit(limit_bytes: int, device: torch.device) -> float:
+    """Cap what this process may allocate on the device (weights included); returns the fraction used."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()  # 'cuda' has no index
+    total = torch.cuda.get_device_properties(idx).total_memory
+    frac = float(min(1.0, limit_bytes / total))
+    torch.cuda.set_per_process_memory_fraction(frac, idx)
+    return frac
+
+
+def measure_hbm_gbps(device: torch.device, nbytes: int = 512 << 20, iters: int = 20) -> float | None:
+    """Device-to-device copy bandwidth, counting read + write (as DESIGN.md's 4.3 TB/s); None off GPU."""
+    if device.type != "cuda":
+        return None
+    try:
+        a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(iters):
+            b.copy_(a)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / iters
+        del a, b
+        torch.cuda.empty_cache()
+        return 2 * nbytes / (ms / 1e3) / 1e9
+    except RuntimeError:  # out of memory under a tight --gpu-mem-limit
+        torch.cuda.empty_cache()
+        return None
+
+
+# --- one cell ----------------------------------------------------------------------------------------------
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
+
+
+def free_device(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def is_pcie_key(key: str) -> bool:
+    return key.startswith("bytes_") or "h2d" in key or "d2h" in key
+
+
+def pcie_bytes(stats: dict) -> float:
+    return float(sum(v for k, v in stats.items() if is_pcie_key(k)))
+
+
+def _median_stats(steps: list[dict]) -> dict:
+    keys = sorted({k for s in steps for k in s})
+    return {k: float(statistics.median(s.get(k, 0) for s in steps)) for k in keys}
+
+
+def _percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    i = (len(xs) - 1) * p / 100
+    lo = int(i)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+Phase = Callable[[str], None]
+
+
+def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_phase: Phase | None) -> dict:
+    model = loaded.model
+    device = model.output_weight.device
+    cuda = device.type == "cuda"
+    say = on_phase or (lambda s: None)
+    out: dict = {}
+    if cuda:
+        out["device_baseline_bytes"] = torch.cuda.memory_allocated(device)
+    say("building cache")
+    cache = build_cache(loaded, settings, ctx, plan.batch)
+    out["kv_device_bytes"] = cache.device_bytes()
+
+    n_prompt = plan.prompt_len(ctx)
+    gen = torch.Generator().manual_seed(plan.seed + ctx)
+    prompt = torch.randint(0, loaded.cfg.vocab_size, (plan.batch, n_prompt), generator=gen).to(device)
+    say(f"prefill {n_prompt} tokens")
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = model(prompt, 0, cache)
+    _sync(device)
+    out["prefill_s"] = time.perf_counter() - t0
+    out["prefill_tok_s"] = plan.batch * n_prompt / out["prefill_s"]
+    out["prefill_stats"] = {k: float(v) for k, v in cache.stats().items()}
+    if cuda:
+        out["peak_device_prefill_bytes"] = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    del prompt
+
+    pos = n_prompt
+    tok = logits.argmax(-1, keepdim=True)  # [B, 1], stays on the device
+    say("decode")
+    for _ in range(plan.warmup):
+        tok = model(tok, pos, cache).argmax(-1, keepdim=True)
+        pos += 1
+    _sync(device)
+    n = plan.decode_steps
+    step_stats, times_ms = [], []
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)] if cuda else []
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)] if cuda else []
+    wall0 = time.perf_counter()
+    for i in range(n):
+        if cuda:
+            starts[i].record()
+        else:
+            t0 = time.perf_counter()
+        tok = model(tok, pos, cache).argmax(-1, keepdim=True)
+        if cuda:
+            ends[i].record()
+        else:
+            times_ms.append((time.perf_counter() - t0) * 1e3)
+        pos += 1
+        step_stats.append(cache.stats())
+    _sync(device)
+    wall_ms = (time.perf_counter() - wall0) * 1e3 / n
+    if cuda:
+        times_ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        out["peak_device_decode_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["peak_device_bytes"] = max(out["peak_device_prefill_bytes"], out["peak_device_decode_bytes"])
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    else:
+        out.update(peak_device_bytes=None, peak_device_prefill_bytes=None, peak_device_decode_bytes=None,
+                   peak_reserved_bytes=None, device_baseline_bytes=None)
+    out["decode_ms"] = {"median": statistics.median(times_ms), "p90": _percentile(times_ms, 90),
+                        "mean": statistics.fmean(times_ms), "min": min(times_ms), "max": max(times_ms),
+                        "wall_mean": wall_ms, "steps": n}
+    out["kv_device_bytes"] = cache.device_bytes()
+    out["kv_host_bytes"] = cache.host_bytes()
+    out["host_rss_bytes"] = process_rss()
+    out["stats"] = _median_stats(step_stats)
+    out["tokens_held"] = cache.length
+    del cache, logits, tok
+    return out
+
+
+def floor_of(cell: dict, weight_read_bytes: int, kv_token_bytes: int, plan: BenchPlan) -> dict:
+    """kv_token_bytes: K and V of one token in one layer, all batch rows."""
+    stats = cell["stats"]
+    if "kv_read_bytes" in stats:
+        kv_read, source = float(stats["kv_read_bytes"]), "kv_read_bytes"
+    elif "tokens_attended" in stats:
+        kv_read, source = float(stats["tokens_attended"]) * kv_token_bytes, "tokens_attended"
+    else:
+        kv_read, source = float(cell["kv_device_bytes"]), "device_bytes"
+    pcie = pcie_bytes(stats)
+    hbm_ms = (weight_read_bytes + kv_read) / (plan.hbm_gbps * 1e9) * 1e3
+    pcie_ms = pcie / (plan.pcie_gbps * 1e9) * 1e3
+    floor_ms = max(hbm_ms, pcie_ms)
+    return {"weight_bytes": weight_read_bytes, "kv_read_bytes": kv_read, "kv_read_source": source, "pcie_bytes": pcie,
+            "hbm_gbps": plan.hbm_gbps, "pcie_gbps": plan.pcie_gbps,
+            "hbm_ms": hbm_ms, "pcie_ms": pcie_ms, "floor_ms": floor_ms,
+            "fraction": floor_ms / cell["decode_ms"]["median"]}
+
+
+def run_cell(loaded, method: str, ctx: int, plan: BenchPlan, on_phase: Phase | None = None) -> dict:
+    """One (method, ctx) measurement. Never raises for a failing method: status 'ok', 'oom' or 'error'."""
+    device = loaded.model.output_weight.device
+    cell: dict = {"method": method, "ctx": ctx, "batch": plan.batch, "prompt_tokens": plan.prompt_len(ctx),
+                  "status": "ok", "error": None}
+    free_device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with torch.inference_mode():
+            cell.update(_measure(loaded, plan.settings_for(method), ctx, plan, on_phase))
+    except Exception as e:  # one failing cell must not stop the sweep
+        cell["status"] = "oom" if is_oom(e) else "error"
+        cell["error"] = f"{type(e).__name__}: {e}".strip()
+        if cell["status"] == "error":
+            cell["traceback"] = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-8:])
+    # the exception (and the frames holding the cache) is gone here: now the memory can be returned
+    free_device(device)
+    if cell["status"] == "ok":
+        total, read = model_bytes(loaded.model)
+        ms = cell["decode_ms"]["median"]
+        cell["tok_s"] = plan.batch * 1e3 / ms
+        cell["pcie_bytes_per_step"] = pcie_bytes(cell["stats"])
+        cell["pcie_bytes_per_token"] = cell["pcie_bytes_per_step"] / plan.batch
+        cell["achieved_gbps"] = total * (1e3 / ms) / 1e9  # gpt-fast's figure: model bytes x steps/s
+        cfg = loaded.cfg
+        elt = loaded.model.output_weight.element_size()
+        cell["floor"] = floor_of(cell, read, 2 * cfg.n_kv_heads * cfg.head_dim * elt * plan.batch, plan)
+    return cell
+
+
+def run_sweep(loaded, plan: BenchPlan, on_cell: Callable[[dict], None] | None = None,
+              on_phase: Callable[[str, int, str], None] | None = None) -> list[dict]:
+    """Every (ctx, method) cell, contexts outer so each context's methods sit together."""
+    cells = []
+    for ctx in plan.ctxs:
+        for method in plan.methods:
+            phase = (lambda s, m=method, c=ctx: on_phase(m, c, s)) if on_phase else None
+            cell = run_cell(loaded, method, ctx, plan, phase)
+            cells.append(cell)
+            if on_cell:
+                on_cell(cell)
+    return cells
+
+
+# --- the results file --------------------------------------------------------------------------------------
+
+def model_info(loaded) -> dict:
+    total, read = model_bytes(loaded.model)
+    cfg = loaded.cfg
+    dtype = loaded.model.output_weight.dtype
+    return {"name": loaded.name, "source": loaded.source, "random_weights": loaded.random,
+            "dtype": str(dtype).replace("torch.", ""), "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+            "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "dim": cfg.dim, "vocab_size": cfg.vocab_size,
+            "max_context": cfg.max_context, "params": sum(p.numel() for p in loaded.model.parameters()),
+            "model_bytes": total, "weight_read_bytes": read,
+            "kv_bytes_per_token": cfg.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size())}
+
+
+def results(loaded, plan: BenchPlan, cells: list[dict], env: dict, command: str, args: dict,
+            hbm_measured: float | None, gpu_mem_limit: int | None) -> dict:
+    return {
+        "schema": 1,
+        "command": command,
+        "args": args,
+        "env": env,
+        "model": model_info(loaded),
+        "bench": {"ctxs": plan.ctxs, "methods": plan.methods, "decode_steps": plan.decode_steps,
+                  "warmup": plan.warmup, "batch": plan.batch, "seed": plan.seed, "margin": plan.margin,
+                  "hbm_gbps": plan.hbm_gbps, "hbm_gbps_measured": hbm_measured, "pcie_gbps": plan.pcie_gbps,
+                  "gpu_mem_limit_bytes": gpu_mem_limit},
+        "method_settings": {m: plan.settings_for(m).to_dict() for m in plan.methods},
+        "cells": cells,
+    }
+
+
+def write_atomic(path: str, write: Callable[[str], None]) -> None:
+    """write(tmp_path) then rename over path: readers never see half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str, obj: dict) -> None:
+    def w(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, allow_nan=False, default=str)
+            f.write("\n")
+    write_atomic(path, w)
+
+
+def default_out_dir(model_name: str, root: str = "bench/results") -> str:
+    """bench/results/<date>-<model>/, with -2, -3, ... when that folder already holds results."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(model_name))).strip("-") or "model"
+    base = os.path.join(root, f"{datetime.date.today().isoformat()}-{stem}")
+    out, n = base, 1
+    while os.path.exists(os.path.join(out, "bench.json")):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
+def command_line() -> str:
+    import shlex
+    return shlex.join(["tailorkv", *sys.argv[1:]]) if sys.argv else "tailorkv"

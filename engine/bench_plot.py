@@ -1,0 +1,109 @@
+"""PNG plots of a bench.json: decode ms/token vs context and peak memory vs context, one line per method.
+OOM cells are marked with an x at the top of the plot; failed cells are left out."""
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from engine.bench import write_atomic  # noqa: E402
+
+GIB = 1024 ** 3
+
+
+def ctx_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _axes(res: dict, title: str, ylabel: str):
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    ctxs = sorted(res["bench"]["ctxs"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ctxs)
+    ax.set_xticklabels([ctx_label(c) for c in ctxs])
+    ax.minorticks_off()
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel(ylabel)
+    m, env = res["model"], res["env"]
+    ax.set_title(f"{title}\n{m['name']} {m['dtype']}{' (random weights)' if m['random_weights'] else ''}, "
+                 f"batch {res['bench']['batch']}, {env.get('gpu') or env['device']}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _lines(ax, res: dict, value) -> list[tuple]:
+    """One line per method through its ok cells; returns the OOM cells as (ctx, method, color)."""
+    ooms = []
+    for i, method in enumerate(res["bench"]["methods"]):
+        color = f"C{i % 10}"
+        cells = sorted((c for c in res["cells"] if c["method"] == method), key=lambda c: c["ctx"])
+        pts = [(c["ctx"], value(c)) for c in cells if c["status"] == "ok" and value(c) is not None]
+        xs, ys = zip(*pts) if pts else ((), ())
+        ax.plot(xs, ys, "o-", color=color, label=method)
+        ooms += [(c["ctx"], method, color) for c in cells if c["status"] == "oom"]
+    return ooms
+
+
+def _finish(ax, ooms: list[tuple]) -> None:
+    """y from 0; OOM cells as x marks stacked in a band above the data, one per method at its context."""
+    ax.set_ylim(bottom=0)
+    if ooms:
+        most = max(sum(1 for o in ooms if o[0] == x) for x, _, _ in ooms)
+        ax.set_ylim(0, ax.get_ylim()[1] * (1.1 + 0.08 * most))
+    band = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    placed: dict[int, int] = {}
+    for x, method, color in ooms:
+        y = 0.97 - 0.06 * placed.get(x, 0)
+        placed[x] = placed.get(x, 0) + 1
+        ax.plot(x, y, "x", color=color, markersize=8, mew=2, transform=band, clip_on=False)
+        ax.annotate(f"{method} OOM", (x, y), xycoords=band, textcoords="offset points", xytext=(-7, -3),
+                    ha="right", color=color, fontsize=8)
+    ax.legend(fontsize=8)
+
+
+def _save(fig, path: str) -> None:
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", bbox_inches="tight"))
+    plt.close(fig)
+
+
+def plot_decode(res: dict, path: str) -> None:
+    fig, ax = _axes(res, "decode latency (median per step; bar to p90)", "ms / token")
+    ooms = _lines(ax, res, lambda c: c["decode_ms"]["median"])
+    for i, method in enumerate(res["bench"]["methods"]):
+        ok = [c for c in res["cells"] if c["method"] == method and c["status"] == "ok"]
+        if ok:
+            ax.errorbar([c["ctx"] for c in ok], [c["decode_ms"]["median"] for c in ok],
+                        yerr=[[0] * len(ok), [c["decode_ms"]["p90"] - c["decode_ms"]["median"] for c in ok]],
+                        fmt="none", ecolor=f"C{i % 10}", capsize=3, alpha=0.6)
+    b, w = res["bench"], res["model"]["weight_read_bytes"]
+    floor = w / (b["hbm_gbps"] * 1e9) * 1e3
+    ax.axhline(floor, color="k", ls="--", lw=1, label=f"weight-read floor {floor:.2f} ms at {b['hbm_gbps']:.0f} GB/s")
+    if b.get("hbm_gbps_measured"):
+        floor = w / (b["hbm_gbps_measured"] * 1e9) * 1e3
+        ax.axhline(floor, color="grey", ls=":", lw=1,
+                   label=f"weight-read floor {floor:.2f} ms at {b['hbm_gbps_measured']:.0f} GB/s (measured copy)")
+    _finish(ax, ooms)
+    _save(fig, path)
+
+
+def plot_memory(res: dict, path: str) -> None:
+    on_gpu = any(c.get("peak_device_bytes") for c in res["cells"])
+    key, what = ("peak_device_bytes", "peak device memory") if on_gpu else ("host_rss_bytes", "process RSS (CPU run)")
+    fig, ax = _axes(res, what, "GiB")
+    ooms = _lines(ax, res, lambda c: c[key] / GIB if c.get(key) else None)
+    ax.axhline(res["model"]["model_bytes"] / GIB, color="k", ls="--", lw=1, label="weights")
+    limit = res["bench"].get("gpu_mem_limit_bytes")
+    if limit and on_gpu:
+        ax.axhline(limit / GIB, color="r", ls=":", lw=1, label=f"--gpu-mem-limit {limit / GIB:.1f} GiB")
+    _finish(ax, ooms)
+    _save(fig, path)
+
+
+def plot_all(res: dict, folder: str) -> list[str]:
+    paths = [os.path.join(folder, "decode_ms.png"), os.path.join(folder, "peak_memory.png")]
+    plot_decode(res, paths[0])
+    plot_memory(res, paths[1])
+    return paths

@@ -1,0 +1,168 @@
+"""`tailorkv bench` on CPU with a tiny random HF checkpoint: the JSON schema, the PNGs, clean errors, OOM cells."""
+import json
+import math
+import os
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+from engine import bench as B
+from engine.bench_cli import register
+from engine.settings import METHODS
+from tests.helpers import write_tiny_hf
+
+FAST = ["--decode-steps", "4", "--warmup", "1", "--device", "cpu", "--dtype", "fp32",
+        "--budget", "48", "--sink", "8", "--recent", "16", "--channels", "4", "--quant-layers", "0"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    write_tiny_hf(folder, n_layers=2)
+    return str(folder)
+
+
+def bench_cmd(*args):
+    @click.group()
+    def group():
+        pass
+    register(group)
+    return CliRunner().invoke(group, ["bench", *args])
+
+
+def no_nan(name):
+    raise AssertionError(f"{name} in bench.json")
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f, parse_constant=no_nan)
+
+
+def positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def nonneg(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
+
+
+def check_png(path):
+    with open(path, "rb") as f:
+        head = f.read(8)
+    assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 1000, path
+
+
+def check_schema(res, methods, ctxs):
+    assert res["schema"] == 1 and res["command"].startswith("tailorkv")
+    assert {"date", "git_commit", "git_dirty", "torch", "cuda", "gpu", "driver", "cpu_count", "device"} <= set(res["env"])
+    assert res["env"]["git_commit"] and res["env"]["cpu_count"] >= 1
+    m = res["model"]
+    assert positive(m["model_bytes"]) and positive(m["weight_read_bytes"]) and positive(m["kv_bytes_per_token"])
+    b = res["bench"]
+    assert b["methods"] == methods and b["ctxs"] == ctxs and b["decode_steps"] == 4 and b["warmup"] == 1
+    assert positive(b["hbm_gbps"]) and positive(b["pcie_gbps"]) and "gpu_mem_limit_bytes" in b
+    assert set(res["method_settings"]) == set(methods)
+    assert [(c["method"], c["ctx"]) for c in res["cells"]] == [(mm, c) for c in ctxs for mm in methods]
+    for c in res["cells"]:
+        assert c["status"] in ("ok", "oom", "error")
+        if c["status"] != "ok":
+            assert c["error"]
+            continue
+        assert positive(c["prefill_s"]) and positive(c["prefill_tok_s"]) and positive(c["tok_s"])
+        d = c["decode_ms"]
+        assert all(positive(d[k]) for k in ("median", "p90", "mean", "min", "max", "wall_mean"))
+        assert d["min"] <= d["median"] <= d["p90"] <= d["max"] and d["steps"] == 4
+        assert nonneg(c["kv_device_bytes"]) and nonneg(c["kv_host_bytes"]) and positive(c["host_rss_bytes"])
+        assert nonneg(c["pcie_bytes_per_token"]) and positive(c["achieved_gbps"])
+        assert c["peak_device_bytes"] is None  # CPU run
+        assert isinstance(c["stats"], dict) and all(nonneg(v) for v in c["stats"].values())
+        f = c["floor"]
+        assert positive(f["floor_ms"]) and positive(f["fraction"]) and positive(f["weight_bytes"])
+        assert f["floor_ms"] == max(f["hbm_ms"], f["pcie_ms"])
+        assert c["tokens_held"] == c["prompt_tokens"] + 1 + 4
+
+
+def test_sweep_writes_json_and_plots(tiny, tmp_path):
+    out = tmp_path / "out"
+    methods = list(METHODS)
+    r = bench_cmd("--model", tiny, "--ctx", "128,256", "--methods", ",".join(methods), "--out", str(out), *FAST)
+    assert r.exit_code == 0, r.output
+    res = load(out / "bench.json")
+    check_schema(res, methods, [128, 256])
+    full = [c for c in res["cells"] if c["method"] == "full"]
+    assert all(c["status"] == "ok" for c in full), full
+    assert full[0]["kv_device_bytes"] > 0 and full[0]["kv_host_bytes"] == 0
+    check_png(out / "decode_ms.png")
+    check_png(out / "peak_memory.png")
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp-")]  # atomic writes leave nothing behind
+    assert "full" in r.output and "cells ok" in r.output
+
+
+def test_unknown_method_is_a_clean_error(tiny, tmp_path):
+    r = bench_cmd("--model", tiny, "--ctx", "128", "--methods", "full,magic", "--out", str(tmp_path), *FAST)
+    assert r.exit_code == 1
+    assert "unknown method 'magic'" in r.output and "Traceback" not in r.output
+    assert not os.path.exists(tmp_path / "bench.json")
+
+
+def test_bad_sizes_are_clean_errors(tiny, tmp_path):
+    r = bench_cmd("--model", tiny, "--ctx", "64", "--decode-steps", "60", "--out", str(tmp_path))
+    assert r.exit_code == 1 and "no room for a prompt" in r.output
+    r = bench_cmd("--model", tiny, "--ctx", "8k", "--methods", "full", "--out", str(tmp_path), *FAST)
+    assert r.exit_code == 1 and "beyond what the model supports" in r.output
+    r = bench_cmd("--model", tiny, "--gpu-mem-limit", "lots", "--out", str(tmp_path), *FAST)
+    assert r.exit_code == 1 and "not a size" in r.output
+
+
+def test_oom_cell_is_reported_and_the_sweep_goes_on(tiny, tmp_path, monkeypatch):
+    real = B.build_cache
+
+    def build(loaded, settings, max_len, batch=1):
+        if settings.method == "streamingllm":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+        if settings.method == "snapkv":
+            raise ModuleNotFoundError("No module named 'engine.policies.snapkv'")
+        return real(loaded, settings, max_len, batch)
+
+    monkeypatch.setattr(B, "build_cache", build)
+    monkeypatch.chdir(tmp_path)  # default --out: bench/results/<date>-<model>/
+    methods = ["streamingllm", "snapkv", "full"]
+    r = bench_cmd("--model", tiny, "--ctx", "128,192", "--methods", ",".join(methods), *FAST)
+    assert r.exit_code == 0, r.output
+    (folder,) = os.listdir(tmp_path / "bench" / "results")
+    assert folder.endswith(os.path.basename(tiny))
+    res = load(tmp_path / "bench" / "results" / folder / "bench.json")
+    check_schema(res, methods, [128, 192])
+    status = {(c["method"], c["ctx"]): c["status"] for c in res["cells"]}
+    assert status == {("streamingllm", 128): "oom", ("streamingllm", 192): "oom", ("snapkv", 128): "error",
+                      ("snapkv", 192): "error", ("full", 128): "ok", ("full", 192): "ok"}
+    snap = next(c for c in res["cells"] if c["method"] == "snapkv")
+    assert "engine.policies.snapkv" in snap["error"] and "traceback" in snap
+    assert "OOM" in r.output
+    check_png(tmp_path / "bench" / "results" / folder / "decode_ms.png")
+
+
+def test_helpers():
+    assert B.parse_bytes("24GiB") == 24 << 30 and B.parse_bytes("24G") == 24 << 30
+    assert B.parse_bytes("24GB") == 24 * 10 ** 9 and B.parse_bytes("512MiB") == 512 << 20
+    assert B.parse_bytes("1000") == 1000
+    with pytest.raises(ValueError):
+        B.parse_bytes("24 apples")
+    assert B.is_oom(torch.cuda.OutOfMemoryError("x")) and B.is_oom(RuntimeError("CUDA out of memory"))
+    assert not B.is_oom(RuntimeError("shape mismatch")) and not B.is_oom(ValueError("out of memory"))
+    assert B._percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    assert B.pcie_bytes({"bytes_fetched": 10, "bytes_copied": 5, "tokens_fetched": 99, "h2d_bytes": 1}) == 16
+    plan = B.BenchPlan(ctxs=[1024], methods=["full"], hbm_gbps=1000, pcie_gbps=10)
+    cell = {"stats": {"bytes_fetched": 1e7}, "kv_device_bytes": 1e9, "decode_ms": {"median": 4.0}}
+    f = B.floor_of(cell, 1e9, 1000, plan)
+    assert f["hbm_ms"] == pytest.approx(2.0) and f["pcie_ms"] == pytest.approx(1.0)
+    assert f["floor_ms"] == pytest.approx(2.0) and f["fraction"] == pytest.approx(0.5)
+    assert f["kv_read_source"] == "device_bytes"
+    cell["stats"]["tokens_attended"] = 5e5  # what the policy attended over, not all it holds
+    f = B.floor_of(cell, 1e9, 1000, plan)
+    assert f["hbm_ms"] == pytest.approx(1.5) and f["kv_read_source"] == "tokens_attended"
+    cell["stats"]["kv_read_bytes"] = 0  # a policy that says what it reads on the device wins
+    assert B.floor_of(cell, 1e9, 1000, plan)["hbm_ms"] == pytest.approx(1.0)
