@@ -53,6 +53,7 @@ class BenchPlan:
     hbm_gbps: float = HBM_GBPS
     pcie_gbps: float = PCIE_GBPS
     margin: int = MARGIN
+    cuda_graph: bool = True  # decode through the engine's CUDA graph where the cache allows it
 
     def settings_for(self, method: str) -> MethodSettings:
         return self.settings.get(method) or MethodSettings(method=method)
@@ -251,9 +252,11 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
 
     pos = n_prompt
     tok = logits.argmax(-1, keepdim=True)  # [B, 1], stays on the device
+    step = decode_step(model, cache, use_graph=plan.cuda_graph)
+    out["cuda_graph"] = step is not model
     say("decode")
     for _ in range(plan.warmup):
-        tok = model(tok, pos, cache).argmax(-1, keepdim=True)
+        tok = step(tok, pos, cache).argmax(-1, keepdim=True)
         pos += 1
     _sync(device)
     n = plan.decode_steps
@@ -266,7 +269,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
             starts[i].record()
         else:
             t0 = time.perf_counter()
-        tok = model(tok, pos, cache).argmax(-1, keepdim=True)
+        tok = step(tok, pos, cache).argmax(-1, keepdim=True)
         if cuda:
             ends[i].record()
         else:
@@ -293,6 +296,15 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     out["tokens_held"] = cache.length
     del cache, logits, tok
     return out
+
+
+def decode_step(model, cache, use_graph: bool = True):
+    """The engine's decode path: a CUDA graph where every layer's policy allows one, else the eager model."""
+    from engine.cuda_graph import GraphedDecoder
+    if not (use_graph and model.output_weight.is_cuda and GraphedDecoder.supported(cache)):
+        return model
+    graphed = GraphedDecoder(model, cache)
+    return lambda tok, pos, _cache: graphed.step(tok, pos)
 
 
 def floor_of(cell: dict, weight_read_bytes: int, kv_token_bytes: int, plan: BenchPlan) -> dict:

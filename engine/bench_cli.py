@@ -65,12 +65,14 @@ def register(main: click.Group) -> click.Command:
     @click.option("--out", type=click.Path(file_okay=False), default=None,
                   help="results folder (default bench/results/<date>-<model>/)")
     @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random prompts")
+    @click.option("--no-cuda-graph", is_flag=True, help="decode eagerly even where a CUDA graph is possible")
     @cli.friendly
     def bench(model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
-              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, **knobs):
+              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, no_cuda_graph, **knobs):
         """Latency and memory sweep over methods x context lengths (bench.json + PNG plots)."""
         run_bench(click.get_current_context().params, model, weights, random_weights, device, dtype, ctxs, methods,
-                  decode_steps, warmup, batch, gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs)
+                  decode_steps, warmup, batch, gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs,
+                  cuda_graph=not no_cuda_graph)
 
     # --methods replaces method_options' single --method; its other knobs (--budget, --bits, ...) stay
     bench.params = [p for p in bench.params if p.name != "method"]
@@ -78,7 +80,7 @@ def register(main: click.Group) -> click.Command:
 
 
 def run_bench(params, model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
-              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs):
+              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs, cuda_graph=True):
     import torch
     from rich.console import Console, Group
     from rich.live import Live
@@ -98,7 +100,7 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     settings = {m: cli.settings_from(method=m, **knobs) for m in names}
     plan = B.BenchPlan(ctxs=[cli.parse_ctx(c) for c in _split(ctxs)], methods=names, settings=settings,
                        decode_steps=decode_steps, warmup=warmup, batch=batch, seed=seed,
-                       hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps)
+                       hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph)
     plan.validate()
     dev = cli.pick_device(device)
     limit = None
