@@ -42,6 +42,7 @@ class Attention(nn.Module):
         k = rope(self.heads(self.k_proj(x), self.n_kv), start_pos)
         v = self.heads(self.v_proj(x), self.n_kv)
         o = attend(q, k, v)
+        del q, k, v  # long prompts: free them before the output projection
         b, _, t, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
@@ -68,7 +69,10 @@ class Block(nn.Module):
     def forward(self, h, i, start_pos, rope, cache):
         x = self.input_layernorm(h)
         cache.layer_input(i, x, start_pos)
-        h = h + self.self_attn(x, start_pos, rope, lambda q, k, v: cache.attend(i, q, k, v, start_pos))
+        attn = self.self_attn(x, start_pos, rope, lambda q, k, v: cache.attend(i, q, k, v, start_pos))
+        del x
+        h = h + attn if h.shape[1] <= MLP_CHUNK else h.add_(attn)  # long prompts: in place, h is ours
+        del attn
         if h.shape[1] <= MLP_CHUNK:
             return h + self.mlp(self.post_attention_layernorm(h))
         for s in range(0, h.shape[1], MLP_CHUNK):  # in place: h is this layer's own tensor

@@ -24,6 +24,9 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     return inv.float()
 
 
+ROPE_CHUNK = 8192
+
+
 class Rope(torch.nn.Module):
     """cos/sin tables are built lazily up to the longest position seen, in fp32."""
 
@@ -51,7 +54,13 @@ class Rope(torch.nn.Module):
         else:
             cos, sin = self.tables(start_pos + t, x.device)
             cos, sin = cos[start_pos:start_pos + t], sin[start_pos:start_pos + t]
-        xf = x.float()
+        # in the activation dtype, as HF does; long prompts in chunks to bound the temporaries
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         half = x.shape[-1] // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
+        out = torch.empty_like(x)
+        for s in range(0, t, ROPE_CHUNK):
+            xs, c, sn = x[:, :, s:s + ROPE_CHUNK], cos[s:s + ROPE_CHUNK], sin[s:s + ROPE_CHUNK]
+            torch.mul(xs, c, out=out[:, :, s:s + ROPE_CHUNK])
+            out[:, :, s:s + ROPE_CHUNK, :half].addcmul_(xs[..., half:], sn[:, :half], value=-1)
+            out[:, :, s:s + ROPE_CHUNK, half:].addcmul_(xs[..., :half], sn[:, half:])
+        return out
