@@ -134,7 +134,7 @@ def _place(cfg, tensors, total: int, device, dtype, progress: Progress | None) -
 
 
 def _random_model(cfg: ModelConfig, device, dtype, seed: int) -> Llama:
-    model = _skeleton(cfg).to_empty(device=device).to(dtype)
+    model = _skeleton(cfg).to(dtype).to_empty(device=device)  # dtype on meta first: no fp32 copy
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
