@@ -247,8 +247,10 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...]) -> None:
 def _register_commands() -> None:
     from engine.profile_cli import register as register_profile
     from engine.bench_cli import register as register_bench
+    from engine.eval_cli import register as register_eval
     register_profile(main)
     register_bench(main)
+    register_eval(main)
 
 
 _register_commands()

@@ -29,6 +29,13 @@ class LayerSpec:
         return self.n_heads // self.n_kv_heads
 
 
+class ContextFull(RuntimeError):
+    def __init__(self, needed: int, max_len: int):
+        super().__init__(f"the context needs {needed} tokens but the cache holds {max_len}; "
+                         f"start a new chat (/reset) or raise --ctx")
+        self.needed, self.max_len = needed, max_len
+
+
 class LayerCache:
     """One layer's KV cache policy. Subclasses implement `attend`, `reset` and the byte counts."""
 
@@ -41,6 +48,22 @@ class LayerCache:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def admit(self, start_pos: int, n: int) -> int:
+        """Checks that n new tokens at start_pos can be taken; going back first cuts the cache to start_pos.
+        Returns the end position."""
+        if start_pos > self.length:
+            raise RuntimeError(f"{self.name} cache holds {self.length} tokens but got new ones at {start_pos}")
+        if start_pos < self.length:
+            self.truncate(start_pos)
+        end = start_pos + n
+        if end > self.spec.max_len:
+            raise ContextFull(end, self.spec.max_len)
+        return end
+
+    def truncate(self, length: int) -> None:
+        if length != self.length:
+            raise RuntimeError(f"{self.name} cache cannot be truncated")
 
     def predict_query(self, q_hat: torch.Tensor) -> None:
         """Receives this layer's query predicted one layer early ([B, Hq, 1, D]), before attend()."""
@@ -98,10 +121,7 @@ class ModelCache:
     def truncate(self, length: int) -> None:
         """Forget tokens from `length` on (only supported where a policy can; used after an interrupted turn)."""
         for layer in self.layers:
-            if hasattr(layer, "truncate"):
-                layer.truncate(length)
-            elif layer.length != length:
-                raise RuntimeError(f"{layer.name} cache cannot be truncated")
+            layer.truncate(length)
 
     def device_bytes(self) -> int:
         return sum(layer.device_bytes() for layer in self.layers)

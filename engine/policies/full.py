@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache import LayerCache, LayerSpec
+from engine.cache import ContextFull, LayerCache, LayerSpec  # noqa: F401 (ContextFull: re-exported)
 from ops.attention import causal_attention, decode_attention
 
 
@@ -22,9 +22,7 @@ class FullCache(LayerCache):
     def attend(self, q, k, v, start_pos):
         if isinstance(start_pos, torch.Tensor):
             return self._attend_graphed(q, k, v, start_pos)
-        end = start_pos + k.shape[2]
-        if end > self.spec.max_len:
-            raise ContextFull(end, self.spec.max_len)
+        end = self.admit(start_pos, k.shape[2])
         self.k[:, :, start_pos:end] = k
         self.v[:, :, start_pos:end] = v
         self.length = end
@@ -44,10 +42,3 @@ class FullCache(LayerCache):
 
     def device_bytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
-
-
-class ContextFull(RuntimeError):
-    def __init__(self, needed: int, max_len: int):
-        super().__init__(f"the context needs {needed} tokens but the cache holds {max_len}; "
-                         f"start a new chat (/reset) or raise --ctx")
-        self.needed, self.max_len = needed, max_len

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from engine.cache import LayerCache, LayerSpec
-from engine.policies.full import ContextFull
 from engine.settings import MethodSettings
 from ops.attention import causal_attention
 
@@ -31,12 +30,8 @@ class OffloadCache(LayerCache):
         self.last: dict = {}
 
     def attend(self, q, k, v, start_pos):
-        if start_pos > self.length:
-            raise RuntimeError(f"offload cache holds {self.length} tokens but got new ones at {start_pos}")
         T = k.shape[2]
-        end = start_pos + T
-        if end > self.spec.max_len:
-            raise ContextFull(end, self.spec.max_len)
+        end = self.admit(start_pos, T)
         if start_pos == 0:
             kk, vv = k, v
         else:

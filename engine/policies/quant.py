@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from engine.cache import LayerCache, LayerSpec
-from engine.policies.full import ContextFull
 from engine.settings import MethodSettings
 from ops.attention import causal_attention, softmax_scale
 from ops.quant import codes_per_word, dequantize_keys, dequantize_values, quantize_keys, quantize_values
@@ -89,12 +88,8 @@ class QuantCache(LayerCache):
 
     # --- attention ----------------------------------------------------------------------------------------
     def attend(self, q, k, v, start_pos):
-        if start_pos != self.length:
-            raise RuntimeError(f"quant cache holds {self.length} tokens but got new ones at {start_pos}; "
-                               "it only appends")
         T = k.shape[2]
-        if start_pos + T > self.spec.max_len:
-            raise ContextFull(start_pos + T, self.spec.max_len)
+        self.admit(start_pos, T)
         if T == 1:
             out = self._decode(q, k, v)
         else:

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache import LayerCache, LayerSpec
-from engine.policies.full import ContextFull
 from engine.settings import MethodSettings
 from ops.attention import attention_with_mask, causal_attention
 from ops.page_select import page_scores, select_pages
@@ -40,14 +39,8 @@ class QuestCache(LayerCache):
         self.selected: torch.Tensor | None = None  # token indices of the last sparse step (tests, debugging)
 
     def attend(self, q, k, v, start_pos):
-        if start_pos > self.length:
-            raise RuntimeError(f"quest cache holds {self.length} tokens but got new ones at {start_pos}")
-        if start_pos < self.length:
-            self.truncate(start_pos)
         T = k.shape[2]
-        end = start_pos + T
-        if end > self.spec.max_len:
-            raise ContextFull(end, self.spec.max_len)
+        end = self.admit(start_pos, T)
         self.k[:, :, start_pos:end] = k
         self.v[:, :, start_pos:end] = v
         self._update_pages(start_pos, end)

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache import LayerCache, LayerSpec
-from engine.policies.full import ContextFull
 from engine.settings import MethodSettings
 from ops.attention import attention_with_mask, causal_attention, softmax_scale
 
@@ -82,14 +81,8 @@ class SnapKVCache(LayerCache):
         return self.k[:, :, :self.n], self.v[:, :, :self.n], self.pos[:, :, :self.n]
 
     def attend(self, q, k, v, start_pos):
-        if start_pos > self.length:
-            raise RuntimeError(f"snapkv cache holds {self.length} tokens but got new ones at {start_pos}")
-        if start_pos < self.length:
-            self.truncate(start_pos)
         T = k.shape[2]
-        end = start_pos + T
-        if end > self.spec.max_len:
-            raise ContextFull(end, self.spec.max_len)
+        end = self.admit(start_pos, T)
         new_pos = torch.arange(start_pos, end, device=k.device).expand(k.shape[0], k.shape[1], T)
         if T == 1:
             self._ensure(self.n + 1 + self.spec.max_len - end)

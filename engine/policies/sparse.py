@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from engine.cache import LayerCache, LayerSpec
-from engine.policies.full import ContextFull
 from engine.settings import MethodSettings
 from ops.attention import attention_with_mask, causal_attention
 from ops.host_gather import gather_rows
@@ -96,13 +95,7 @@ class SparseOffloadCache(LayerCache):
 
     # --- attention ----------------------------------------------------------------------------------------
     def attend(self, q, k, v, start_pos):
-        if start_pos != self.length:
-            if start_pos > self.length:
-                raise RuntimeError(f"sparse cache holds {self.length} tokens, asked to attend at {start_pos}")
-            self.truncate(start_pos)
-        end = start_pos + k.shape[2]
-        if end > self.spec.max_len:
-            raise ContextFull(end, self.spec.max_len)
+        end = self.admit(start_pos, k.shape[2])
         q_hat, self.q_hat = self.q_hat, None  # a prediction serves one step only
         if k.shape[2] == 1:
             out = self._decode(q, k, v, q_hat)

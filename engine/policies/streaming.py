@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from engine.cache import LayerCache, LayerSpec
-from engine.policies.full import ContextFull
 from engine.settings import MethodSettings
 from ops.attention import attention_with_mask, causal_attention
 
@@ -55,13 +54,8 @@ class StreamingCache(LayerCache):
         return torch.cat([torch.arange(self.n_sink), ring_pos])
 
     def attend(self, q, k, v, start_pos):
-        if start_pos > self.length:
-            raise RuntimeError(f"streamingllm cache holds {self.length} tokens but got new ones at {start_pos}")
-        if start_pos < self.length:
-            self.truncate(start_pos)
         T = k.shape[2]
-        if start_pos + T > self.spec.max_len:
-            raise ContextFull(start_pos + T, self.spec.max_len)
+        self.admit(start_pos, T)
         if T == 1:
             self._store(k, v)
             out = attention_with_mask(q, self.k[:, :, :self.held], self.v[:, :, :self.held])

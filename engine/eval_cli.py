@@ -1,0 +1,201 @@
+"""`tailorkv eval` and `tailorkv eval-merge`: the click commands over engine.evaluation.driver (the work),
+fidelity (teacher-forced comparison with full) and report (tables, PNGs). cli.py calls register(main).
+
+    tailorkv eval --model smollm2-135m --methods full,tailorkv,streamingllm,snapkv,quest \\
+        --lengths 2k,4k,8k --samples 10 --budget-frac 0.03 --out eval/results/smollm2
+    # the same work split over 4 processes, then merged:
+    for i in 0 1 2 3; do tailorkv eval ... --out DIR --shard $i/4 & done; wait; tailorkv eval-merge DIR
+"""
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import re
+import time
+
+import click
+from rich.markup import escape
+
+DEFAULT_METHODS = "full,tailorkv,streamingllm,snapkv,quest"
+SAVE_EVERY_S = 30.0  # partial eval.json rewrites during a run
+
+
+def default_out_dir(model_name: str, root: str = "eval/results") -> str:
+    """eval/results/<date>-<model>/, with -2, -3, ... when that folder already holds an eval.json."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(model_name))).strip("-") or "model"
+    base = os.path.join(root, f"{datetime.date.today().isoformat()}-{stem}")
+    out, n = base, 1
+    while os.path.exists(os.path.join(out, "eval.json")):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
+def _console():
+    from rich.console import Console
+    con = Console(highlight=False)
+    if not con.is_terminal:  # a log file: room for every column
+        con = Console(highlight=False, width=max(con.width, 160))
+    return con
+
+
+def show(res: dict, con=None) -> None:
+    from engine.evaluation.report import fidelity_table, score_tables, title_line
+    con = con or _console()
+    con.print(f"[bold]{escape(title_line(res))}[/]")
+    for t in score_tables(res):
+        con.print(t)
+    ft = fidelity_table(res)
+    if ft is not None:
+        con.print(ft)
+
+
+def register(main: click.Group) -> list[click.Command]:
+    import cli
+    from engine.evaluation.tasks import TASKS
+    from engine.settings import METHODS
+
+    @main.command("eval")
+    @cli.model_options
+    @cli.method_options
+    @click.option("--methods", default=DEFAULT_METHODS, show_default=True,
+                  help=f"comma-separated, from: {', '.join(METHODS)}")
+    @click.option("--lengths", default="4k", show_default=True,
+                  help="whole sequence lengths (template + prompt + answer), e.g. 2k,4k,8k")
+    @click.option("--samples", type=int, default=5, show_default=True, help="samples per task and length (0: none)")
+    @click.option("--tasks", default=None, help=f"comma-separated (default all): {', '.join(TASKS)}")
+    @click.option("--seed", type=int, default=0, show_default=True, help="seed of the generated samples")
+    @click.option("--budget-frac", type=float, default=None,
+                  help="budget = round(F x length) per length (e.g. 0.03); sink + recent shrink to fit half")
+    @click.option("--max-new-tokens", type=int, default=None, help="greedy tokens per answer (default: per task)")
+    @click.option("--fidelity-tokens", type=int, default=0, show_default=True,
+                  help="also compare each method with full over N teacher-forced tokens of essay text (0: off)")
+    @click.option("--out", type=click.Path(file_okay=False), default=None,
+                  help="results folder (default eval/results/<date>-<model>/)")
+    @click.option("--shard", default=None, help="i/n: run only items with index % n == i (then eval-merge)")
+    @cli.friendly
+    def eval_cmd(model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
+                 budget_frac, max_new_tokens, fidelity_tokens, out, shard, **knobs):
+        """Long-context accuracy of every method against the full cache (eval.json + tables + PNG)."""
+        run_eval(click.get_current_context().params, model, weights, random_weights, device, dtype, methods,
+                 lengths, samples, tasks, seed, budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs)
+
+    # --methods replaces method_options' single --method; its other knobs (--budget, --bits, ...) stay
+    eval_cmd.params = [p for p in eval_cmd.params if p.name != "method"]
+
+    @main.command("eval-merge")
+    @click.argument("folder", type=click.Path(file_okay=False))
+    @click.option("--out", type=click.Path(file_okay=False), default=None, help="where to write (default FOLDER)")
+    @cli.friendly
+    def eval_merge(folder, out):
+        """Merge the eval.shard-*-of-*.json files of FOLDER into eval.json + tables + PNG."""
+        run_merge(folder, out)
+
+    return [eval_cmd, eval_merge]
+
+
+def run_eval(params, model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
+             budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs):
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    import cli
+    from engine import bench as B
+    from engine.bench import write_json
+    from engine.evaluation import driver as D
+    from engine.evaluation.report import write_outputs
+    from engine.methods import layer_policies
+
+    plan = D.EvalPlan(lengths=D.parse_lengths(lengths), methods=D.parse_methods(methods), tasks=D.parse_tasks(tasks),
+                      samples=samples, seed=seed, base=cli.settings_from(method="full", **knobs),
+                      budget_frac=budget_frac, max_new_tokens=max_new_tokens, fidelity_tokens=fidelity_tokens)
+    plan.validate()
+    shard_t = D.parse_shard(shard)
+    if shard_t is not None and not out:
+        raise cli.UserError("--shard needs --out DIR: every shard of a run writes into the same folder")
+    dev = cli.pick_device(device)
+    torch.manual_seed(seed)
+    loaded = cli.load_with_progress(model, weights, random_weights, dev, cli.pick_dtype(dtype, dev))
+    too_long = [n for n in plan.lengths if n > loaded.cfg.max_context]
+    if too_long:
+        raise cli.UserError(f"--lengths {too_long[0]} is beyond what {loaded.name} supports "
+                            f"({loaded.cfg.max_context} tokens): lower --lengths")
+    D.check_methods(loaded, plan)
+
+    items = D.shard_items(plan.items(), shard_t)
+    out = out or default_out_dir(loaded.name if not os.path.exists(model) else model)
+    name = "eval.json" if shard_t is None else D.shard_filename(*shard_t)
+    json_path = os.path.join(out, name)
+    con = _console()
+    with con.status("generating the samples"):  # every length, even in a shard: the hash checks the merge
+        suites = D.build_suites(loaded.tokenizer, plan)
+    policies = {m: layer_policies(plan.settings(m, plan.lengths[0]), loaded.cfg.n_layers, loaded.family)
+                for m in plan.methods}
+    common = dict(command=B.command_line(), args=dict(params), env=B.environment(dev), model=B.model_info(loaded),
+                  plan=plan, shard=shard_t, suites_hash=D.suite_hash(suites), layer_policies=policies)
+    records: list[dict] = []
+    last_save = [0.0]
+
+    def save(force: bool = False):  # partial results survive an interrupt; at most every SAVE_EVERY_S seconds
+        if force or time.monotonic() - last_save[0] >= SAVE_EVERY_S:
+            write_json(json_path, D.results(records=records, **common))
+            last_save[0] = time.monotonic()
+
+    texts: dict = {}
+    bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TimeRemainingColumn(), console=cli.err, transient=True)
+    with bar:
+        task = bar.add_task("eval", total=len(items))
+        for it in items:
+            what = (f"{D.length_label(it['length'])} {it['method']} "
+                    + (f"{it['task']} #{it['sample']}"
+                       if it["kind"] == "task" else "fidelity"))
+            bar.update(task, description=what)
+            rec = D.run_item(loaded, plan, it, suites, texts,
+                             on_phase=lambda s, w=what: bar.update(task, description=f"{w}: {s}"))
+            records.append(rec)
+            save(force=rec["status"] != "ok")
+            bar.advance(task)
+    res = D.results(records=records, **common)
+    if shard_t is None:
+        paths = write_outputs(res, out)
+    else:
+        write_json(json_path, res)
+        paths = [json_path]
+    show(res, con)
+    for r in records:
+        if r["status"] != "ok":
+            cli.err.print(f"[red]{D.length_label(r['length'])} {r['method']} {r.get('task', 'fidelity')}: "
+                          f"{r['status'].upper()}[/] {escape(r['error'] or '')}")
+    ok = sum(r["status"] == "ok" for r in records)
+    con.print(f"{ok}/{len(records)} items ok; results in {', '.join(paths)}"
+              + (f" (shard {shard_t[0]} of {shard_t[1]}: merge with `tailorkv eval-merge {out}`)" if shard_t else ""))
+
+
+def run_merge(folder: str, out: str | None) -> None:
+    import cli
+    from engine.evaluation import driver as D
+    from engine.evaluation.report import write_outputs
+
+    if not os.path.isdir(folder):
+        raise cli.UserError(f"{folder}: no such folder")
+    files = sorted(glob.glob(os.path.join(folder, "eval.shard-*-of-*.json")))
+    if not files:
+        raise cli.UserError(f"{folder} holds no eval.shard-*-of-*.json files: run `tailorkv eval --shard i/n "
+                            f"--out {folder}` first")
+    shards = []
+    for f in files:
+        try:
+            shards.append((os.path.basename(f), D.read_json(f)))
+        except ValueError as e:
+            raise cli.UserError(f"{f} is not valid JSON ({e}): rerun that shard") from None
+    res, warnings = D.merge_shards(shards)
+    for w in warnings:
+        cli.err.print(f"[yellow]{escape(w)}[/]")
+    paths = write_outputs(res, out or folder)
+    con = _console()
+    show(res, con)
+    con.print(f"merged {len(files)} shards ({len(res['records']) + len(res['fidelity'])} items); "
+              f"results in {', '.join(paths)}")
