@@ -207,7 +207,7 @@ def _median_stats(steps: list[dict]) -> dict:
     return {k: float(statistics.median(s.get(k, 0) for s in steps)) for k in keys}
 
 
-def _percentile(xs: list[float], p: float) -> float:
+def percentile(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     i = (len(xs) - 1) * p / 100
     lo = int(i)
@@ -287,7 +287,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     else:
         out.update(peak_device_bytes=None, peak_device_prefill_bytes=None, peak_device_decode_bytes=None,
                    peak_reserved_bytes=None, device_baseline_bytes=None)
-    out["decode_ms"] = {"median": statistics.median(times_ms), "p90": _percentile(times_ms, 90),
+    out["decode_ms"] = {"median": statistics.median(times_ms), "p90": percentile(times_ms, 90),
                         "mean": statistics.fmean(times_ms), "min": min(times_ms), "max": max(times_ms),
                         "wall_mean": wall_ms, "steps": n}
     out["kv_device_bytes"] = cache.device_bytes()
@@ -426,12 +426,12 @@ def write_json(path: str, obj: dict) -> None:
     write_atomic(path, w)
 
 
-def default_out_dir(model_name: str, root: str = "bench/results") -> str:
-    """bench/results/<date>-<model>/, with -2, -3, ... when that folder already holds results."""
+def default_out_dir(model_name: str, root: str = "bench/results", marker: str = "bench.json") -> str:
+    """<root>/<date>-<model>/, with -2, -3, ... when that folder already holds a results file (marker)."""
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(model_name))).strip("-") or "model"
     base = os.path.join(root, f"{datetime.date.today().isoformat()}-{stem}")
     out, n = base, 1
-    while os.path.exists(os.path.join(out, "bench.json")):
+    while os.path.exists(os.path.join(out, marker)):
         n += 1
         out = f"{base}-{n}"
     return out

@@ -8,10 +8,8 @@ fidelity (teacher-forced comparison with full) and report (tables, PNGs). cli.py
 """
 from __future__ import annotations
 
-import datetime
 import glob
 import os
-import re
 import time
 
 import click
@@ -23,13 +21,8 @@ SAVE_EVERY_S = 30.0  # partial eval.json rewrites during a run
 
 def default_out_dir(model_name: str, root: str = "eval/results") -> str:
     """eval/results/<date>-<model>/, with -2, -3, ... when that folder already holds an eval.json."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(model_name))).strip("-") or "model"
-    base = os.path.join(root, f"{datetime.date.today().isoformat()}-{stem}")
-    out, n = base, 1
-    while os.path.exists(os.path.join(out, "eval.json")):
-        n += 1
-        out = f"{base}-{n}"
-    return out
+    from engine.bench import default_out_dir as numbered_dir
+    return numbered_dir(model_name, root, marker="eval.json")
 
 
 def _console():

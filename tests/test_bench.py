@@ -153,7 +153,7 @@ def test_helpers():
         B.parse_bytes("24 apples")
     assert B.is_oom(torch.cuda.OutOfMemoryError("x")) and B.is_oom(RuntimeError("CUDA out of memory"))
     assert not B.is_oom(RuntimeError("shape mismatch")) and not B.is_oom(ValueError("out of memory"))
-    assert B._percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    assert B.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
     assert B.pcie_bytes({"bytes_fetched": 10, "bytes_copied": 5, "tokens_fetched": 99, "h2d_bytes": 1}) == 16
     plan = B.BenchPlan(ctxs=[1024], methods=["full"], hbm_gbps=1000, pcie_gbps=10)
     cell = {"stats": {"bytes_fetched": 1e7}, "kv_device_bytes": 1e9, "decode_ms": {"median": 4.0}}

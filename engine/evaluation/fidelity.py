@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from engine.bench import percentile
 from engine.evaluation.haystack import Filler, essay_units
 
 
@@ -42,14 +43,6 @@ def fidelity_ids(tokenizer, length: int) -> list[int]:
         if len(ids) >= need:
             return bos + ids[:need]
         words = int(words * 1.5) + 1
-
-
-def _percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    i = (len(xs) - 1) * p / 100
-    lo = int(i)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
 class RecallProbe:
@@ -182,7 +175,7 @@ def run_fidelity(loaded, settings, ids: list[int], n_steps: int, recall: bool = 
     nm = statistics.fmean(s["nll_method"] for s in steps)
     out = {"prefix_tokens": prefix, "steps": n_steps,
            "top1_agreement": 100.0 * statistics.fmean(s["agree"] for s in steps),
-           "kl_mean": statistics.fmean(kls), "kl_p99": _percentile(kls, 99), "kl_max": max(kls),
+           "kl_mean": statistics.fmean(kls), "kl_p99": percentile(kls, 99), "kl_max": max(kls),
            "nll_full": nf, "nll_method": nm, "ppl_full": math.exp(min(nf, 700)), "ppl_method": math.exp(min(nm, 700)),
            "next_token_acc_full": 100.0 * statistics.fmean(s["hit_full"] for s in steps),
            "next_token_acc_method": 100.0 * statistics.fmean(s["hit_method"] for s in steps)}
