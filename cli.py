@@ -238,10 +238,16 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...]) -> None:
         except KeyboardInterrupt:
             con.print("\n[dim](stopped; the history is kept)[/]")
         except Exception as e:  # a turn that fails must not lose the chat
+            import torch
+            from rich.markup import escape
             from engine.generate import ContextTooLong
-            if not isinstance(e, (ContextTooLong, ValueError)):
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+                eng.recover()
+                e = "the GPU ran out of memory in this turn: /reset, or restart with a lower --ctx or --method tailorkv"
+            elif not isinstance(e, (ContextTooLong, ValueError)):
                 raise
-            con.print(f"[bold red]error:[/] {e}")
+            con.print(f"[bold red]error:[/] {escape(str(e))}")
 
 
 def _register_commands() -> None:
