@@ -88,3 +88,15 @@ def test_cuda_requested_but_absent():
 def test_parse_ctx():
     from cli import parse_ctx
     assert parse_ctx("8192") == 8192 and parse_ctx("8k") == 8192 and parse_ctx("128K") == 131072
+
+
+def test_interactive_chat_commands():
+    res = CliRunner().invoke(main, ["run", "--device", "cpu", "-n", "16"],
+                             input="What is the capital of France?\n/stats\n/foo\n/reset\n/stats\n")
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "Paris" in out
+    assert "context" in out and "KV device" in out            # per-turn stats line
+    assert "unknown command" in out
+    assert "conversation cleared" in out
+    assert out.count("2 messages") == 1 and "0 messages" in out  # /stats before and after /reset
