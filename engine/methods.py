@@ -13,7 +13,7 @@ from models.loader import CONFIG_DIR
 
 def profile_quant_layers(family: dict) -> list[int] | None:
     """Quantization-friendly layers: from the model's calibration profile, else the family's paper value."""
-    prof = family.get("profile")
+    prof = family.get("profile") or (f"profiles/{family['name']}.json" if family.get("name") else None)
     if prof:
         path = os.path.join(CONFIG_DIR, prof)
         if os.path.isfile(path):

@@ -1,0 +1,30 @@
+"""Which policy each layer gets: the tailorkv layer types come from --quant-layers, else the model's profile
+(its configs entry, else configs/profiles/<name>.json as `tailorkv profile` writes it), else the paper's value."""
+import json
+
+import pytest
+
+from engine import methods
+from engine.settings import MethodSettings
+
+
+def test_profile_file_by_model_name(tmp_path, monkeypatch):
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "my-model.json").write_text(json.dumps({"quant_layers": [0, 2]}))
+    monkeypatch.setattr(methods, "CONFIG_DIR", str(tmp_path))
+    fam = {"name": "my-model", "profile": None, "quant_layers": [0, 1]}
+    assert methods.layer_policies(MethodSettings("tailorkv"), 4, fam) == ["quant", "sparse", "quant", "sparse"]
+
+
+def test_paper_value_without_profile(tmp_path, monkeypatch):
+    monkeypatch.setattr(methods, "CONFIG_DIR", str(tmp_path))
+    fam = {"name": "yi-6b-200k", "profile": None, "quant_layers": [0, 1]}
+    assert methods.layer_policies(MethodSettings("tailorkv"), 3, fam) == ["quant", "quant", "sparse"]
+
+
+def test_flag_overrides_and_range_check():
+    fam = {"name": "smollm2-135m", "profile": "profiles/smollm2-135m.json"}
+    assert methods.layer_policies(MethodSettings("tailorkv", quant_layers=[1]), 3, fam) == ["sparse", "quant", "sparse"]
+    with pytest.raises(ValueError, match="out of range"):
+        methods.layer_policies(MethodSettings("tailorkv", quant_layers=[5]), 3, fam)
+    assert methods.layer_policies(MethodSettings("quest"), 2, fam) == ["quest", "quest"]
