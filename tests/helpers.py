@@ -1,4 +1,4 @@
-"""Shared test helpers: a tiny random HF Llama checkpoint written with transformers."""
+"""Shared test helpers: tiny random Llama checkpoints (with or without transformers), results-file checks."""
 import torch
 
 from tests.conftest import rel_err  # noqa: F401
@@ -19,3 +19,68 @@ def write_tiny_hf(folder, *, seed=0, vocab=300, tie=False, rope_scaling="llama3"
             p.normal_(0, 0.08)
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+def write_tiny_folder(folder, *, hidden=64, n_layers=3, n_heads=8, n_kv=2, head_dim=8, vocab=300, max_pos=1024,
+                      seed=0, std=0.15, chat_template=None):
+    """A tiny HF folder without transformers: config.json, model.safetensors (random Llama), a byte-level
+    tokenizer.json and, with chat_template, a tokenizer_config.json."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from models.config import ModelConfig
+    from models.llama import Llama
+
+    os.makedirs(folder, exist_ok=True)
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+          "intermediate_size": 96, "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
+          "num_key_value_heads": n_kv, "head_dim": head_dim, "vocab_size": vocab,
+          "max_position_embeddings": max_pos, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+          "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f)
+    torch.manual_seed(seed)
+    model = Llama(ModelConfig.from_hf(hf))
+    tensors = {n: (torch.ones_like(p) if n.endswith("norm.weight") else torch.randn_like(p) * std).contiguous()
+               for n, p in model.named_parameters()}
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    if chat_template is not None:
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump({"chat_template": chat_template}, f)
+    return folder
+
+
+def load_json_strict(path):
+    """A results file, failing on NaN or Infinity."""
+    import json
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in {path}")
+    with open(path) as f:
+        return json.load(f, parse_constant=no_nan)
+
+
+def check_png(path):
+    import os
+    with open(path, "rb") as f:
+        head = f.read(8)
+    assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 1000, path
+
+
+def prefill_then_decode(loaded, ids, n_prompt):
+    """Logits [T, V] of ids [1, T] from our model with the full cache: the first n_prompt tokens in one prefill,
+    then one cached decode step per token."""
+    from engine.methods import build_cache
+    from engine.settings import MethodSettings
+    cache = build_cache(loaded, MethodSettings("full"), max_len=ids.shape[1])
+    got = [loaded.model(ids[:, :n_prompt], 0, cache, all_logits=True)[0]]
+    for t in range(n_prompt, ids.shape[1]):
+        got.append(loaded.model(ids[:, t:t + 1], t, cache))
+    return torch.cat(got)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache import LayerSpec
-from engine.policies.full import ContextFull, FullCache
+from engine.cache import ContextFull
+from engine.policies.full import FullCache
 from engine.policies.offload import OffloadCache
 from engine.policies.quest import QuestCache
 from engine.policies.snapkv import SnapKVCache, snap_scores

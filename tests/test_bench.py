@@ -1,5 +1,4 @@
 """`tailorkv bench` on CPU with a tiny random HF checkpoint: the JSON schema, the PNGs, clean errors, OOM cells."""
-import json
 import math
 import os
 
@@ -11,7 +10,7 @@ from click.testing import CliRunner
 from engine import bench as B
 from engine.bench_cli import register
 from engine.settings import METHODS
-from tests.helpers import write_tiny_hf
+from tests.helpers import check_png, load_json_strict as load, write_tiny_hf
 
 FAST = ["--decode-steps", "4", "--warmup", "1", "--device", "cpu", "--dtype", "fp32",
         "--budget", "48", "--sink", "8", "--recent", "16", "--channels", "4", "--quant-layers", "0"]
@@ -32,27 +31,12 @@ def bench_cmd(*args):
     return CliRunner().invoke(group, ["bench", *args])
 
 
-def no_nan(name):
-    raise AssertionError(f"{name} in bench.json")
-
-
-def load(path):
-    with open(path) as f:
-        return json.load(f, parse_constant=no_nan)
-
-
 def positive(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
 def nonneg(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
-
-
-def check_png(path):
-    with open(path, "rb") as f:
-        head = f.read(8)
-    assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 1000, path
 
 
 def check_schema(res, methods, ctxs):

@@ -1,7 +1,6 @@
 """Multi-turn chat on SmolLM2: the cache is kept across turns, a turn prefills only its new tokens, and the
 logits equal a fresh prefill of the whole conversation. Ctrl-C keeps the history and a usable cache."""
 import pytest
-import torch
 
 from engine.chat import ChatSession
 from engine.generate import Engine

@@ -1,7 +1,6 @@
 """`tailorkv run` as a user calls it: a one-shot answer from the default model, and every error a user can
 cause ending in one clear line (cause and fix), a non-zero exit and no traceback."""
 import json
-import os
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """`tailorkv eval` on CPU with a tiny random Llama and a byte-level tokenizer: the JSON schema and records, the
 prompt format, --budget-frac, shards that partition the work and merge into the single run, the PNGs, fidelity
 (full vs full is exact), one-line errors."""
-import json
 import math
 import os
 
@@ -16,6 +15,7 @@ from engine.evaluation.tasks import make_suite
 from engine.eval_cli import register
 from engine.settings import MethodSettings
 from models.loader import load_model
+from tests.helpers import check_png, load_json_strict as load, write_tiny_folder
 
 VOCAB = 256
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
@@ -28,34 +28,6 @@ COMMON = ["--device", "cpu", "--dtype", "fp32", "--lengths", LENGTHS, "--samples
           "--quant-layers", "0", "--fidelity-tokens", "4", "--methods", ",".join(METHODS)]
 
 
-def write_tiny_folder(folder, seed=0):
-    """config.json + model.safetensors (random Llama) + byte-level tokenizer.json + a chat template."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from models.config import ModelConfig
-    from models.llama import Llama
-
-    os.makedirs(folder, exist_ok=True)
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-          "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "head_dim": 32, "vocab_size": VOCAB, "max_position_embeddings": 2048, "rope_theta": 10000.0,
-          "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None}
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f)
-    torch.manual_seed(seed)
-    model = Llama(ModelConfig.from_hf(hf))
-    tensors = {n: (torch.ones_like(p) if n.endswith("norm.weight") else torch.randn_like(p) * 0.15).contiguous()
-               for n, p in model.named_parameters()}
-    save_file(tensors, os.path.join(folder, "model.safetensors"))
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"chat_template": TEMPLATE}, f)
-    return folder
-
 
 def invoke(*args):
     @click.group()
@@ -65,24 +37,10 @@ def invoke(*args):
     return CliRunner().invoke(group, list(args))
 
 
-def no_nan(name):
-    raise AssertionError(f"{name} in eval.json")
-
-
-def load(path):
-    with open(path) as f:
-        return json.load(f, parse_constant=no_nan)
-
-
-def check_png(path):
-    with open(path, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
-    assert os.path.getsize(path) > 1000, path
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return write_tiny_folder(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
+    return write_tiny_folder(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"), hidden=128, n_heads=4,
+                             head_dim=32, vocab=VOCAB, max_pos=2048, chat_template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from engine.methods import build_cache
 from engine.settings import MethodSettings
 from models.gguf import smollm2_gguf_path
 from models.loader import load_model
-from tests.helpers import rel_err
+from tests.helpers import prefill_then_decode, rel_err
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +26,7 @@ def test_prompt_and_cached_decode_match_transformers(pair):
     ids = torch.randint(0, 49152, (1, 512 + 32), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = hf(ids).logits[0]
-    cache = build_cache(ours, MethodSettings("full"), max_len=600)
-    got = [ours.model(ids[:, :512], 0, cache, all_logits=True)[0]]
-    for t in range(512, 544):
-        got.append(ours.model(ids[:, t:t + 1], t, cache))
-    got = torch.cat(got)
+    got = prefill_then_decode(ours, ids, 512)
     assert rel_err(got, ref) < 1e-4
     assert rel_err(got[512:], ref[512:]) < 1e-4
 

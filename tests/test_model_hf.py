@@ -6,7 +6,7 @@ import torch
 from engine.methods import build_cache
 from engine.settings import MethodSettings
 from models.loader import load_model
-from tests.helpers import rel_err, write_tiny_hf
+from tests.helpers import prefill_then_decode, rel_err, write_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +23,7 @@ def test_logits_match_transformers(tiny):
     ids = torch.randint(3, 300, (1, 512 + 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits[0]
-    cache = build_cache(loaded, MethodSettings("full"), max_len=600)
-    got = [loaded.model(ids[:, :512], 0, cache, all_logits=True)[0]]
-    for t in range(512, 544):
-        got.append(loaded.model(ids[:, t:t + 1], t, cache))
-    got = torch.cat(got)
+    got = prefill_then_decode(loaded, ids, 512)
     assert got.shape == ref.shape
     assert rel_err(got, ref) < 1e-4
     assert rel_err(got[-32:], ref[-32:]) < 1e-4  # the cached decode steps on their own

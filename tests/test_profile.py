@@ -13,44 +13,18 @@ from engine.cache import LayerCache
 from engine.calibration import CalibrationCache, layer_p, profile_model
 from models.loader import load_model
 from ops.attention import causal_attention
+from tests.helpers import write_tiny_folder
 
 N_LAYERS, N_HEADS, N_KV, HEAD_DIM, VOCAB = 3, 8, 2, 8, 300
 
 
 # ---------------------------------------------------------------- a tiny HF folder (weights + byte tokenizer)
 
-def write_tiny_folder(folder, seed=0, std=0.15):
-    """config.json + model.safetensors (random Llama, no transformers needed) + a byte-level tokenizer.json."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from models.config import ModelConfig
-    from models.llama import Llama
-
-    os.makedirs(folder, exist_ok=True)
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-          "intermediate_size": 96, "num_hidden_layers": N_LAYERS, "num_attention_heads": N_HEADS,
-          "num_key_value_heads": N_KV, "head_dim": HEAD_DIM, "vocab_size": VOCAB,
-          "max_position_embeddings": 1024, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-          "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None}
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f)
-    torch.manual_seed(seed)
-    model = Llama(ModelConfig.from_hf(hf))
-    tensors = {}
-    for name, p in model.named_parameters():
-        tensors[name] = (torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * std).contiguous()
-    save_file(tensors, os.path.join(folder, "model.safetensors"))
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    return folder
-
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return write_tiny_folder(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
+    return write_tiny_folder(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"), n_layers=N_LAYERS,
+                             n_heads=N_HEADS, n_kv=N_KV, head_dim=HEAD_DIM, vocab=VOCAB)
 
 
 @pytest.fixture(scope="module")
