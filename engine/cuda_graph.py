@@ -58,9 +58,8 @@ class GraphedDecoder:
         n = bucket_for(pos + 1, self.cache.max_len)
         self.tokens.copy_(token)
         self.pos.fill_(pos)
-        if n not in self.graphs:
+        if n not in self.graphs:  # its warm-up runs write slot pos with this token, as the replay does
             self.graphs[n] = self._capture(n)
-            self.pos.fill_(pos)  # warm-up runs wrote slot pos with the same token: harmless, rewritten below
         self._set_len(n)
         graph, logits = self.graphs[n]
         graph.replay()

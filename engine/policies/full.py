@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache import ContextFull, LayerCache, LayerSpec  # noqa: F401 (ContextFull: re-exported)
+from engine.cache import LayerCache, LayerSpec
 from ops.attention import causal_attention, decode_attention
 
 

@@ -95,7 +95,7 @@ class SparseOffloadCache(LayerCache):
 
     # --- attention ----------------------------------------------------------------------------------------
     def attend(self, q, k, v, start_pos):
-        end = self.admit(start_pos, k.shape[2])
+        self.admit(start_pos, k.shape[2])
         q_hat, self.q_hat = self.q_hat, None  # a prediction serves one step only
         if k.shape[2] == 1:
             out = self._decode(q, k, v, q_hat)
