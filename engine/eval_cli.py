@@ -67,12 +67,15 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--out", type=click.Path(file_okay=False), default=None,
                   help="results folder (default eval/results/<date>-<model>/)")
     @click.option("--shard", default=None, help="i/n: run only items with index % n == i (then eval-merge)")
+    @click.option("--resume", is_flag=True, help="keep the finished items of an interrupted run in --out and do "
+                                                  "the rest (same command otherwise)")
     @cli.friendly
     def eval_cmd(model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
-                 budget_frac, max_new_tokens, fidelity_tokens, out, shard, **knobs):
+                 budget_frac, max_new_tokens, fidelity_tokens, out, shard, resume, **knobs):
         """Long-context accuracy of every method against the full cache (eval.json + tables + PNG)."""
         run_eval(click.get_current_context().params, model, weights, random_weights, device, dtype, methods,
-                 lengths, samples, tasks, seed, budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs)
+                 lengths, samples, tasks, seed, budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs,
+                 resume)
 
     # --methods replaces method_options' single --method; its other knobs (--budget, --bits, ...) stay
     eval_cmd.params = [p for p in eval_cmd.params if p.name != "method"]
@@ -89,7 +92,7 @@ def register(main: click.Group) -> list[click.Command]:
 
 
 def run_eval(params, model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
-             budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs):
+             budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs, resume=False):
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
@@ -108,6 +111,8 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     shard_t = D.parse_shard(shard)
     if shard_t is not None and not out:
         raise cli.UserError("--shard needs --out DIR: every shard of a run writes into the same folder")
+    if resume and not out:
+        raise cli.UserError("--resume needs --out DIR: the folder of the run to finish")
     dev = cli.pick_device(device)
     torch.manual_seed(seed)
     loaded = cli.load_with_progress(model, weights, random_weights, dev, cli.pick_dtype(dtype, dev))
@@ -129,6 +134,15 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     common = dict(command=B.command_line(), args=dict(params), env=B.environment(dev), model=B.model_info(loaded),
                   plan=plan, shard=shard_t, suites_hash=D.suite_hash(suites), layer_policies=policies)
     records: list[dict] = []
+    if resume and os.path.exists(json_path):
+        try:
+            prev = D.read_json(json_path)
+        except ValueError as e:
+            raise cli.UserError(f"{json_path} is not valid JSON ({e}): rerun without --resume") from None
+        records = D.resumable_records(prev, D.results(records=[], **common), json_path)
+        done = {r["index"] for r in records}
+        items = [it for it in items if it["index"] not in done]
+        con.print(f"resuming {json_path}: {len(done)} items done, {len(items)} to go")
     last_save = [0.0]
 
     def save(force: bool = False):  # partial results survive an interrupt; at most every SAVE_EVERY_S seconds
@@ -139,18 +153,12 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     texts: dict = {}
     bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TimeRemainingColumn(), console=cli.err, transient=True)
-    with bar:
-        task = bar.add_task("eval", total=len(items))
-        for it in items:
-            what = (f"{D.length_label(it['length'])} {it['method']} "
-                    + (f"{it['task']} #{it['sample']}"
-                       if it["kind"] == "task" else "fidelity"))
-            bar.update(task, description=what)
-            rec = D.run_item(loaded, plan, it, suites, texts,
-                             on_phase=lambda s, w=what: bar.update(task, description=f"{w}: {s}"))
-            records.append(rec)
-            save(force=rec["status"] != "ok")
-            bar.advance(task)
+    try:
+        run_items(items, loaded, plan, suites, texts, records, bar, save)
+    except KeyboardInterrupt:
+        save(force=True)
+        raise cli.UserError(f"interrupted: {len(records)} items saved in {json_path}; run the same command "
+                            f"with --resume to finish") from None
     res = D.results(records=records, **common)
     if shard_t is None:
         paths = write_outputs(res, out)
@@ -165,6 +173,22 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     ok = sum(r["status"] == "ok" for r in records)
     con.print(f"{ok}/{len(records)} items ok; results in {', '.join(paths)}"
               + (f" (shard {shard_t[0]} of {shard_t[1]}: merge with `tailorkv eval-merge {out}`)" if shard_t else ""))
+
+
+def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
+    """Runs the items in order under the progress bar, appending each record and saving as it goes."""
+    from engine.evaluation import driver as D
+    with bar:
+        task = bar.add_task("eval", total=len(items))
+        for it in items:
+            what = (f"{D.length_label(it['length'])} {it['method']} "
+                    + (f"{it['task']} #{it['sample']}" if it["kind"] == "task" else "fidelity"))
+            bar.update(task, description=what)
+            rec = D.run_item(loaded, plan, it, suites, texts,
+                             on_phase=lambda s, w=what: bar.update(task, description=f"{w}: {s}"))
+            records.append(rec)
+            save(force=rec["status"] != "ok")
+            bar.advance(task)
 
 
 def run_merge(folder: str, out: str | None) -> None:

@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
-# Runs `tailorkv eval` as N parallel shards on one GPU (batch-1 decode is launch-bound, so processes overlap
-# well), then merges. Usage: eval/run_sharded.sh OUT_DIR N LENGTHS [extra eval args...]
+# Runs `tailorkv eval` on SmolLM2 as N parallel shards spread over this machine's GPUs, then merges them.
+# Usage: eval/run_sharded.sh OUT_DIR N LENGTHS [extra eval args...]
+#   MPS=1         start the CUDA MPS daemon first, so the shards' kernels run side by side on a GPU
+#                 (without it the GPU time-slices between processes)
+#   TIME_LIMIT=S  stop the shards after S seconds (SIGINT: each saves what it finished). Every shard runs with
+#                 --resume, so the same command later does only what is left; the merge needs every shard.
 set -u
 out=$1; n=$2; lengths=$3; shift 3
 mkdir -p "$out"
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU); [ "$ngpu" -ge 1 ] || ngpu=1
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS daemon started"
+fi
+echo "$n shards over $ngpu GPU(s)"
 for i in $(seq 0 $((n - 1))); do
-  python3 -c "import cli; cli.main()" eval --model smollm2-135m --device cuda --dtype bf16 \
-    --methods full,tailorkv,streamingllm,snapkv,quest --lengths "$lengths" --out "$out" --shard "$i/$n" "$@" \
-    > "$out/shard-$i.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$((i % ngpu)) OMP_NUM_THREADS=1 timeout -s INT "${TIME_LIMIT:-0}" \
+    python3 -c "import cli; cli.main()" eval --model smollm2-135m --device cuda --dtype bf16 \
+    --methods full,tailorkv,streamingllm,snapkv,quest --lengths "$lengths" --out "$out" --shard "$i/$n" \
+    --resume "$@" > "$out/shard-$i.log" 2>&1 &
 done
 wait
-tail -n 2 "$out"/shard-*.log | grep -v "^$" | tail -n 6
+[ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control
+tail -q -n 1 "$out"/shard-*.log
 python3 -c "import cli; cli.main()" eval-merge "$out"

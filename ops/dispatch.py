@@ -1,4 +1,5 @@
-"""The one dispatch rule for every op: a CUDA tensor and a loadable kernel -> the kernel; else the torch
+"""The one dispatch rule for every op: tensors the GPU can read (on the GPU, or in pinned host memory, which
+kernels read zero-copy), at least one on the GPU, and a loadable kernel -> the kernel; else the torch
 reference. Kernels register themselves by op name; a kernel that fails to build is remembered as absent."""
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def kernels_enabled() -> bool:
 def kernel_for(name: str, *tensors) -> Callable | None:
     if not kernels_enabled() or name in _FAILED or name not in _LOADERS:
         return None
-    if not all(getattr(t, "is_cuda", False) for t in tensors):
+    if not any(t.is_cuda for t in tensors) or not all(t.is_cuda or t.is_pinned() for t in tensors):
         return None
     if name not in _KERNELS:
         try:

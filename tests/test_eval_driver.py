@@ -2,6 +2,7 @@
 prompt format, --budget-frac, shards that partition the work and merge into the single run, the PNGs, fidelity
 (full vs full is exact), one-line errors."""
 import math
+import json
 import os
 
 import click
@@ -282,6 +283,30 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
     assert r.exit_code == 1 and "shards [1] of 3 are missing" in r.output and "Traceback" not in r.output
 
 
+def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
+    out = str(tmp_path / "resumed")
+    args = ["eval", "--model", tiny_dir, *COMMON, "--out", out, "--shard", "0/2"]
+    assert invoke(*args).exit_code == 0
+    path = os.path.join(out, "eval.shard-0-of-2.json")
+    whole = load(path)
+    cut = dict(whole, records=whole["records"][:2], fidelity=[], complete=False)  # as an interrupt leaves it
+    cut["records"][1] = dict(cut["records"][1], status="error", score=None)       # a failed item is redone
+    with open(path, "w") as f:
+        json.dump(cut, f)
+    r = invoke(*args, "--resume")
+    assert r.exit_code == 0, r.output
+    assert "1 items done" in r.output
+    res = load(path)
+    assert res["complete"] is True
+    assert D.strip_timing(res["records"]) == D.strip_timing(whole["records"])
+    assert D.strip_timing(res["fidelity"]) == D.strip_timing(whole["fidelity"])
+    assert res["records"][0]["wall_s"] == whole["records"][0]["wall_s"]  # kept, not run again
+    # another run's file is refused in one line, and left as it was
+    r = invoke(*args, "--resume", "--seed", "5")
+    assert r.exit_code == 1 and "holds another run" in r.output and "'eval' differs" in r.output
+    assert load(path) == res
+
+
 def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
     out = str(tmp_path / "fid")
     r = invoke("eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "256,320", "--samples", "0",
@@ -304,6 +329,7 @@ def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
     (["--lengths", "8k"], "beyond what"),
     (["--shard", "3/2", "--out", "x"], "--shard 3/2"),
     (["--shard", "0/2"], "--shard needs --out"),
+    (["--resume"], "--resume needs --out"),
     (["--tasks", "nope"], "unknown task 'nope'"),
     (["--methods", "tailorkv", "--quant-layers", "7"], "out of range"),
     (["--methods", "snapkv", "--budget", "30", "--sink", "4", "--recent", "4"], "observation window"),

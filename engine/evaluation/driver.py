@@ -552,6 +552,19 @@ def merge_shards(shards: list[tuple[str, dict]]) -> tuple[dict, list[str]]:
     return merged, warnings
 
 
+def resumable_records(prev: dict, fresh: dict, name: str) -> list[dict]:
+    """The finished ('ok') records of an earlier results file `prev` of the same run as `fresh` (an empty
+    results dict of the run about to start). ValueError when `prev` belongs to another run."""
+    fresh = json.loads(json.dumps(fresh, default=str))  # tuples -> lists, as read back from a file
+    for key in SAME_KEYS + ("shard",):
+        if prev.get(key) != fresh.get(key):
+            raise ValueError(f"--resume: {name} holds another run (its '{key}' differs): use the command that "
+                             f"wrote it, or another --out")
+    if (prev.get("model") or {}).get("name") != (fresh.get("model") or {}).get("name"):
+        raise ValueError(f"--resume: {name} ran another model: use another --out")
+    return [r for r in prev["records"] + prev["fidelity"] if r["status"] == "ok"]
+
+
 def read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
