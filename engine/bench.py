@@ -125,8 +125,8 @@ def environment(device: torch.device) -> dict:
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     env = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        # TAILORKV_COMMIT: for a copy of the tree without .git (e.g. a lent GPU machine)
-        "git_commit": _run(["git", "rev-parse", "HEAD"]) or os.environ.get("TAILORKV_COMMIT", "unknown"),
+        # TAILORKV_COMMIT names the commit of a copy of the tree whose .git is missing or stale (a lent GPU machine)
+        "git_commit": os.environ.get("TAILORKV_COMMIT") or _run(["git", "rev-parse", "HEAD"]) or "unknown",
         "git_dirty": None if status is None else bool(status),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
