@@ -4,6 +4,7 @@ reference. Kernels register themselves by op name; a kernel that fails to build 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable
 
 _KERNELS: dict[str, Callable] = {}
@@ -28,8 +29,11 @@ def kernel_for(name: str, *tensors) -> Callable | None:
     if name not in _KERNELS:
         try:
             _KERNELS[name] = _LOADERS[name]()
-        except Exception:  # no CuPy, no compiler: the reference serves
+        except Exception as e:  # no CuPy, no compiler: the reference serves
             _FAILED.add(name)
+            warnings.warn(f"{name}: the CUDA kernel did not load ({type(e).__name__}: {e}); using the torch "
+                          f"reference, which is slower (pip install cupy-cuda12x or cupy-cuda13x, matching "
+                          f"your CUDA)", RuntimeWarning, stacklevel=3)
             return None
     return _KERNELS[name]
 

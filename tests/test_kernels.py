@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -28,6 +29,22 @@ def test_rule_keeps_the_reference_for_host_tensors(monkeypatch):
     assert calls == []
     monkeypatch.setenv("TAILORKV_KERNELS", "0")
     assert probe(torch.zeros(3)) == "reference"
+
+
+def test_a_kernel_that_cannot_load_warns_once_and_the_reference_serves(monkeypatch):
+    class OnGPU:  # stands in for a CUDA tensor: the rule only asks where it lives
+        is_cuda = True
+
+    def loader():
+        raise ModuleNotFoundError("No module named 'cupy'")
+
+    monkeypatch.setitem(dispatch._LOADERS, "probe_missing", loader)
+    monkeypatch.setattr(dispatch, "_FAILED", set())
+    with pytest.warns(RuntimeWarning, match="probe_missing: the CUDA kernel did not load .*cupy"):
+        assert dispatch.kernel_for("probe_missing", OnGPU()) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.kernel_for("probe_missing", OnGPU()) is None  # remembered: no second warning
 
 
 @pytest.mark.cuda
