@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from engine.generate import release_prefill_blocks
 from engine.methods import build_cache
 from engine.settings import MethodSettings
 
@@ -250,6 +251,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
         out["peak_device_prefill_bytes"] = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     del prompt
+    release_prefill_blocks(device, n_prompt)
 
     pos = n_prompt
     tok = logits.argmax(-1, keepdim=True)  # [B, 1], stays on the device

@@ -37,6 +37,18 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+RELEASE_AFTER = 1024  # prompt tokens from which a prefill's cached allocator blocks go back to the driver
+
+
+def release_prefill_blocks(device, n_tokens: int) -> None:
+    """After a long prefill, return the allocator's cached blocks (the prefill's temporaries) to the driver.
+    Decode needs far less, and near a memory cap it ran much slower with them kept: Llama-3.1-8B, tailorkv at
+    128k under a 24 GiB cap, 162 -> 61 ms/token on the H200 (which allocator path costs the time: not pinned
+    down; no allocation retries were counted)."""
+    if n_tokens >= RELEASE_AFTER and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class Engine:
     """Holds one model, one cache and the token ids the cache holds (`tokens`)."""
 
@@ -80,6 +92,7 @@ class Engine:
             logits = self.graphed.step(x, len(self.tokens))
         else:
             logits = self.model(x, len(self.tokens), self.cache, all_logits=all_logits)
+            release_prefill_blocks(self.device, len(ids))
         self.tokens.extend(ids)
         return logits
 

@@ -55,3 +55,14 @@ def test_cuda_graph_decode_equals_eager(tiny):
         graphed = g.step(ids[:, pos:pos + 1], pos)
         assert rel_err(graphed, eager) < 1e-4
     assert len(g.graphs) == 2
+
+
+def test_long_prefills_release_cached_blocks_on_cuda_only(monkeypatch):
+    from engine.generate import RELEASE_AFTER, release_prefill_blocks
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    release_prefill_blocks("cpu", RELEASE_AFTER * 4)
+    release_prefill_blocks(torch.device("cuda"), RELEASE_AFTER - 1)  # a chat turn's short prefill: keep them
+    assert calls == []
+    release_prefill_blocks(torch.device("cuda"), RELEASE_AFTER)
+    assert calls == [1]
