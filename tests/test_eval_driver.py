@@ -307,6 +307,28 @@ def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
     assert load(path) == res
 
 
+def test_ctrl_c_saves_the_finished_items(tiny_dir, tmp_path, monkeypatch):
+    out = str(tmp_path / "interrupted")
+    args = ["eval", "--model", tiny_dir, *COMMON, "--out", out]
+    real, calls = D.run_item, []
+
+    def run_item(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(D, "run_item", run_item)
+    r = invoke(*args)
+    assert r.exit_code == 1 and "interrupted: 2 items saved" in r.output and "--resume" in r.output
+    saved = load(os.path.join(out, "eval.json"))
+    assert saved["complete"] is False and [x["index"] for x in saved["records"]] == [0, 1]
+    monkeypatch.setattr(D, "run_item", real)
+    r = invoke(*args, "--resume")
+    assert r.exit_code == 0, r.output
+    assert load(os.path.join(out, "eval.json"))["complete"] is True
+
+
 def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
     out = str(tmp_path / "fid")
     r = invoke("eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "256,320", "--samples", "0",
