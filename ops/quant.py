@@ -82,6 +82,17 @@ def _codes(x: torch.Tensor, scale16: torch.Tensor, min16: torch.Tensor, bits: in
     return torch.where(s > 0, c, torch.zeros_like(c)).to(torch.uint8)
 
 
+def _quantize_along(x: torch.Tensor, axis: int, bits: int):
+    """fp32 x grouped so that `axis` runs over one group -> (codes like x, scale, min without `axis`)."""
+    scale, mn = _minmax_params(x.amin(axis), x.amax(axis), bits)
+    return _codes(x, scale.unsqueeze(axis), mn.unsqueeze(axis), bits), scale, mn
+
+
+def _dequantize_along(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, axis: int) -> torch.Tensor:
+    """Inverse of _quantize_along -> fp32 like codes."""
+    return codes.float() * scale.float().unsqueeze(axis) + mn.float().unsqueeze(axis)
+
+
 @op("quantize_keys")
 def quantize_keys(k: torch.Tensor, bits: int = 1, group: int = 64):
     """k [B, H, T, D], T % group == 0 -> (codes [B, H, T/CPW, D] int32, scale [B, H, T/group, D] fp16,
@@ -90,10 +101,8 @@ def quantize_keys(k: torch.Tensor, bits: int = 1, group: int = 64):
     cpw = codes_per_word(bits)
     if T % group or group % cpw:
         raise ValueError(f"quantize_keys: T={T} must be a multiple of group={group} (itself a multiple of {cpw})")
-    x = k.float().reshape(B, H, T // group, group, D)
-    scale, mn = _minmax_params(x.amin(3), x.amax(3), bits)
-    codes = _codes(x, scale.unsqueeze(3), mn.unsqueeze(3), bits).reshape(B, H, T, D)
-    return pack(codes, bits, dim=2), scale, mn
+    codes, scale, mn = _quantize_along(k.float().reshape(B, H, T // group, group, D), 3, bits)
+    return pack(codes.reshape(B, H, T, D), bits, dim=2), scale, mn
 
 
 @op("dequantize_keys")
@@ -102,7 +111,7 @@ def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, 
     """Inverse of quantize_keys -> [B, H, T, D] in `dtype` (T = codes.shape[2] * CPW)."""
     c = unpack(codes, bits, dim=2)
     B, H, T, D = c.shape
-    x = c.float().reshape(B, H, T // group, group, D) * scale.float().unsqueeze(3) + mn.float().unsqueeze(3)
+    x = _dequantize_along(c.reshape(B, H, T // group, group, D), scale, mn, 3)
     return x.reshape(B, H, T, D).to(dtype)
 
 
@@ -113,10 +122,8 @@ def quantize_values(v: torch.Tensor, bits: int = 1, group: int = 64):
     B, H, T, D = v.shape
     if D % group:
         raise ValueError(f"quantize_values: head_dim {D} must be a multiple of group={group}")
-    x = v.float().reshape(B, H, T, D // group, group)
-    scale, mn = _minmax_params(x.amin(4), x.amax(4), bits)
-    codes = _codes(x, scale.unsqueeze(4), mn.unsqueeze(4), bits).reshape(B, H, T, D)
-    return pack(codes, bits, dim=3), scale, mn
+    codes, scale, mn = _quantize_along(v.float().reshape(B, H, T, D // group, group), 4, bits)
+    return pack(codes.reshape(B, H, T, D), bits, dim=3), scale, mn
 
 
 @op("dequantize_values")
@@ -125,5 +132,5 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor
     """Inverse of quantize_values -> [B, H, T, D] in `dtype` (D = codes.shape[3] * CPW)."""
     c = unpack(codes, bits, dim=3)
     B, H, T, D = c.shape
-    x = c.float().reshape(B, H, T, D // group, group) * scale.float().unsqueeze(4) + mn.float().unsqueeze(4)
+    x = _dequantize_along(c.reshape(B, H, T, D // group, group), scale, mn, 4)
     return x.reshape(B, H, T, D).to(dtype)
