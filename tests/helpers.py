@@ -1,7 +1,18 @@
 """Shared test helpers: tiny random Llama checkpoints (with or without transformers), results-file checks."""
+import pytest
 import torch
 
 from tests.conftest import rel_err  # noqa: F401
+
+
+def smollm2_gguf_or_skip() -> str:
+    """The SmolLM2 GGUF's path, or skip the test with the loader's reason."""
+    from models.errors import LoadError
+    from models.gguf import smollm2_gguf_path
+    try:
+        return smollm2_gguf_path()
+    except LoadError as e:
+        pytest.skip(str(e))
 
 
 def write_tiny_hf(folder, *, seed=0, vocab=300, tie=False, rope_scaling="llama3", n_layers=3):

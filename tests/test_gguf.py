@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from models.errors import LoadError, UnsupportedModel
-from models.gguf import load_gguf, load_gguf_config, smollm2_gguf_path, unpermute_llama_cpp
+from models.gguf import load_gguf, load_gguf_config, unpermute_llama_cpp
+from tests.helpers import smollm2_gguf_or_skip
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    try:
-        path = smollm2_gguf_path()
-    except LoadError as e:
-        pytest.skip(str(e))
+    path = smollm2_gguf_or_skip()
     calls = []
     cfg, sd = load_gguf(path, progress=lambda i, n: calls.append((i, n)))
     return path, cfg, sd, calls

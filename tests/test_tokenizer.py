@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from models.errors import LoadError, UnsupportedModel
-from models.gguf import smollm2_gguf_path
 from models.tokenizer import Tokenizer
+from tests.helpers import smollm2_gguf_or_skip
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,10 +37,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest.fixture(scope="module")
 def smollm2():
-    try:
-        path = smollm2_gguf_path()
-    except LoadError as e:
-        pytest.skip(str(e))
+    path = smollm2_gguf_or_skip()
     ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     return Tokenizer.from_gguf(path), ref
 
