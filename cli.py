@@ -1,153 +1,17 @@
 """The `tailorkv` command: run (chat), bench, profile, eval."""
 from __future__ import annotations
 
-import functools
 import sys
 
 import click
 from rich.console import Console
 
-err = Console(stderr=True, highlight=False)
-
-
-class UserError(click.ClickException):
-    """One line naming the cause and the fix; exit status 1, no traceback."""
-
-    def show(self, file=None):
-        from rich.markup import escape
-        err.print(f"[bold red]error:[/] {escape(self.message)}", highlight=False, soft_wrap=True)
-
-
-def friendly(fn):
-    """Turn the errors a user can cause into one clear line."""
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        import torch
-        from models.errors import LoadError
-        from engine.generate import ContextTooLong
-        try:
-            return fn(*a, **kw)
-        except (LoadError, ContextTooLong, ValueError) as e:
-            raise UserError(str(e)) from None
-        except torch.cuda.OutOfMemoryError:
-            raise UserError("the GPU ran out of memory: lower --ctx, use --method tailorkv, "
-                            "or a smaller --dtype") from None
-        except FileNotFoundError as e:
-            raise UserError(f"{e.filename}: no such file") from None
-    return wrapper
-
-
-def parse_ctx(text: str) -> int:
-    t = text.strip().lower()
-    try:
-        if t.endswith("k"):
-            return int(float(t[:-1]) * 1024)
-        if t.endswith("m"):
-            return int(float(t[:-1]) * 1024 * 1024)
-        return int(t)
-    except ValueError:
-        raise UserError(f"--ctx '{text}' is not a length: write e.g. 8192, 8k or 128k") from None
-
-
-def pick_device(device: str):
-    import torch
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("CUDA was requested but no GPU is visible: use --device cpu")
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise UserError(f"--device '{device}' is not a device: use auto, cpu or cuda[:N]") from None
-
-
-def pick_dtype(dtype: str, device):
-    import torch
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}[dtype]
-
-
-def load_with_progress(model: str, weights, random_weights: bool, device, dtype, quiet: bool = False):
-    from rich.progress import Progress, BarColumn, TextColumn, TimeElapsedColumn
-    from models.loader import load_model
-    with Progress(TextColumn("[cyan]loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=err, transient=True, disable=quiet) as bar:
-        task = bar.add_task(model, total=None)
-        loaded = load_model(model, weights, random_weights, device, dtype,
-                            progress=lambda i, n: bar.update(task, completed=i, total=n))
-    if loaded.random:
-        err.print("[yellow]random weights: the model's text is meaningless (use them for speed and memory work)[/]")
-    return loaded
-
-
-def check_ctx(ctx: int | None, loaded) -> int:
-    limit = loaded.cfg.max_context
-    ctx = ctx or min(limit, 8192)
-    if ctx > limit:
-        raise UserError(f"--ctx {ctx} is beyond what {loaded.name} supports ({limit} tokens): lower --ctx")
-    if ctx < 16:
-        raise UserError(f"--ctx {ctx} is too small: use at least 16")
-    return ctx
-
-
-def model_options(fn):
-    opts = [
-        click.option("--model", "-m", default="smollm2-135m", show_default=True,
-                     help="config name (see configs/), Hugging Face folder or .gguf file"),
-        click.option("--weights", type=click.Path(), default=None, help="HF folder or .gguf for a config name"),
-        click.option("--random-weights", is_flag=True, help="same-shaped random model (speed/memory work)"),
-        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N"),
-        click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
-
-
-def method_options(fn):
-    from engine.settings import METHODS, MethodSettings
-    d = MethodSettings()
-    opts = [
-        click.option("--method", type=click.Choice(METHODS), default="full", show_default=True, help="KV-cache method"),
-        click.option("--bits", type=click.Choice(["1", "2"]), default=str(d.bits), show_default=True,
-                     help="bits of quantized layers"),
-        click.option("--budget", type=int, default=d.budget, show_default=True, help="tokens per sparse layer"),
-        click.option("--sink", type=int, default=d.sink, show_default=True),
-        click.option("--recent", type=int, default=d.recent, show_default=True),
-        click.option("--channels", type=int, default=d.channels, show_default=True, help="r channels per KV head"),
-        click.option("--quant-layers", default=None, help="e.g. 0,1 (default: the model's profile)"),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
-
-
-def settings_from(method, bits, budget, sink, recent, channels, quant_layers):
-    from engine.settings import MethodSettings
-    ql = None
-    if quant_layers is not None:
-        try:
-            ql = [int(x) for x in quant_layers.split(",") if x.strip()]
-        except ValueError:
-            raise UserError(f"--quant-layers '{quant_layers}' is not a list of layer numbers like 0,1") from None
-    s = MethodSettings(method=method, bits=int(bits), budget=budget, sink=sink, recent=recent,
-                       channels=channels, quant_layers=ql)
-    s.validate()
-    return s
-
+from tailorkv.engine.ui import (UserError, check_ctx, fmt_bytes, friendly, load_with_progress, method_options,
+                                model_options, parse_ctx, pick_device, pick_dtype, settings_from)
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """tailorkv: long-context inference for Llama-family models with the TailorKV cache."""
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def turn_line(stats, engine) -> str:
@@ -175,10 +39,10 @@ def turn_line(stats, engine) -> str:
 def run(model, weights, random_weights, device, dtype, method, bits, budget, sink, recent, channels,
         quant_layers, ctx, prompt, system, max_new_tokens, temperature, top_p, top_k, seed, stop, no_chat_template):
     """Chat with a model (or answer one --prompt)."""
-    from engine.chat import ChatSession
-    from engine.generate import Engine
-    from engine.methods import build_cache
-    from engine.sampling import SamplingParams
+    from tailorkv.engine.chat import ChatSession
+    from tailorkv.engine.generate import Engine
+    from tailorkv.engine.methods import build_cache
+    from tailorkv.engine.sampling import SamplingParams
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
     sampling.validate()
@@ -240,7 +104,7 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...]) -> None:
         except Exception as e:  # a turn that fails must not lose the chat
             import torch
             from rich.markup import escape
-            from engine.generate import ContextTooLong
+            from tailorkv.engine.generate import ContextTooLong
             if isinstance(e, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
                 eng.recover()
@@ -251,9 +115,9 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...]) -> None:
 
 
 def _register_commands() -> None:
-    from engine.profile_cli import register as register_profile
-    from engine.bench_cli import register as register_bench
-    from engine.eval_cli import register as register_eval
+    from tailorkv.engine.profiling.command import register as register_profile
+    from tailorkv.engine.bench.command import register as register_bench
+    from tailorkv.engine.evaluation.command import register as register_eval
     register_profile(main)
     register_bench(main)
     register_eval(main)

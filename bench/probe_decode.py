@@ -9,9 +9,9 @@ import os
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
-from engine.methods import build_cache
-from engine.settings import MethodSettings
-from models.loader import load_model
+from tailorkv.engine.methods import build_cache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.loader import load_model
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="llama-3.1-8b")
@@ -41,7 +41,7 @@ for s in range(a.steps):
 times = times[8:]
 print(f"decode at {a.ctx}: median {statistics.median(times)*1000:.2f} ms/token, min {min(times)*1000:.2f}")
 print(f"peak memory {torch.cuda.max_memory_allocated()/2**30:.2f} GiB")
-from engine.cuda_graph import GraphedDecoder
+from tailorkv.engine.cuda_graph import GraphedDecoder
 g = GraphedDecoder(lm.model, cache)
 pos = a.ctx
 cache.truncate(pos)

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.generate import Engine, TurnStats
+from tailorkv.engine.generate import Engine, TurnStats
+from tailorkv.models.tokenizer import bos_prefix
 
 
 @dataclass
@@ -32,14 +33,7 @@ class ChatSession:
         if held and text.startswith(held):
             return tok.encode(text[len(held):])
         self.engine.reset()
-        return self.bos() + tok.encode(text)
-
-    def bos(self) -> list[int]:
-        tok = self.engine.tokenizer
-        tmpl = getattr(tok, "chat_template", None) or ""
-        bos_tok = getattr(tok, "bos_token", None)
-        wants = getattr(tok, "add_bos", False) and not (bos_tok and bos_tok in tmpl)
-        return [tok.bos_id] if wants and tok.bos_id is not None else []
+        return bos_prefix(tok) + tok.encode(text)
 
     def send(self, user_text: str, max_new_tokens: int = 512, stop: tuple[str, ...] = (),
              on_text: Callable[[str], None] | None = None) -> tuple[str, TurnStats]:

@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
-from engine.cache import ModelCache
-from engine.sampling import Sampler, SamplingParams
+from tailorkv.engine.cache import ModelCache
+from tailorkv.engine.sampling import Sampler, SamplingParams
 
 
 class ContextTooLong(ValueError):
@@ -65,7 +65,7 @@ class Engine:
         self.eos_ids = set(loaded.cfg.eos_ids) | set(getattr(self.tokenizer, "eos_ids", []) or [])
         self.graphed = None
         if use_cuda_graph and self.device.type == "cuda":
-            from engine.cuda_graph import GraphedDecoder
+            from tailorkv.engine.cuda_graph import GraphedDecoder
             if GraphedDecoder.supported(cache):
                 self.graphed = GraphedDecoder(self.model, cache)
 

@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from engine.cache import LayerSpec, ModelCache
-from engine.settings import MethodSettings
-from models.loader import CONFIG_DIR
+from tailorkv.engine.cache import LayerSpec, ModelCache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.loader import CONFIG_DIR
 
 
 def profile_quant_layers(family: dict) -> list[int] | None:
@@ -41,19 +41,19 @@ def layer_policies(settings: MethodSettings, n_layers: int, family: dict) -> lis
 
 def policy_class(name: str):
     if name == "full":
-        from engine.policies.full import FullCache as cls
+        from tailorkv.engine.policies.full import FullCache as cls
     elif name == "quant":
-        from engine.policies.quant import QuantCache as cls
+        from tailorkv.engine.policies.quant import QuantCache as cls
     elif name == "sparse":
-        from engine.policies.sparse import SparseOffloadCache as cls
+        from tailorkv.engine.policies.sparse import SparseOffloadCache as cls
     elif name == "offload":
-        from engine.policies.offload import OffloadCache as cls
+        from tailorkv.engine.policies.offload import OffloadCache as cls
     elif name == "streamingllm":
-        from engine.policies.streaming import StreamingCache as cls
+        from tailorkv.engine.policies.streaming import StreamingCache as cls
     elif name == "snapkv":
-        from engine.policies.snapkv import SnapKVCache as cls
+        from tailorkv.engine.policies.snapkv import SnapKVCache as cls
     elif name == "quest":
-        from engine.policies.quest import QuestCache as cls
+        from tailorkv.engine.policies.quest import QuestCache as cls
     else:
         raise ValueError(f"unknown cache policy '{name}'")
     return cls

@@ -11,10 +11,10 @@ import gguf
 import numpy as np
 import torch
 
-from models.config import ModelConfig
-from models.errors import LoadError, UnsupportedModel
-from models.rope import inv_frequencies
-from models.tokenizer import Tokenizer, end_of_turn_ids
+from tailorkv.models.config import ModelConfig
+from tailorkv.models.errors import LoadError, UnsupportedModel
+from tailorkv.models.rope import inv_frequencies
+from tailorkv.models.tokenizer import Tokenizer, end_of_turn_ids
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

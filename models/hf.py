@@ -9,8 +9,8 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from models.config import ModelConfig
-from models.errors import LoadError, UnsupportedModel
+from tailorkv.models.config import ModelConfig
+from tailorkv.models.errors import LoadError, UnsupportedModel
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM"}
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig
-from models.rope import Rope
+from tailorkv.models.config import ModelConfig
+from tailorkv.models.rope import Rope
 
 MLP_CHUNK = 4096  # prefill tokens per MLP call: bounds the [T, hidden_dim] activations
 

@@ -9,10 +9,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.config import ModelConfig
-from models.errors import LoadError
-from models.llama import Llama
-from models.rope import Rope
+from tailorkv.models.config import ModelConfig
+from tailorkv.models.errors import LoadError
+from tailorkv.models.llama import Llama
+from tailorkv.models.rope import Rope
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 DEFAULT_MODEL = "smollm2-135m"
@@ -61,7 +61,7 @@ def load_model(name: str = DEFAULT_MODEL, weights: str | None = None, random_wei
         if "gguf_package" not in src:
             raise LoadError(f"'{name}' has no weights here: pass --weights DIR (a Hugging Face folder) "
                             f"or --random-weights for speed and memory work")
-        from models.gguf import smollm2_gguf_path
+        from tailorkv.models.gguf import smollm2_gguf_path
         path = smollm2_gguf_path()
     if random_weights:
         cfg = ModelConfig.from_dict(family["arch"]) if family else _config_of(path)
@@ -70,17 +70,17 @@ def load_model(name: str = DEFAULT_MODEL, weights: str | None = None, random_wei
     if not os.path.exists(path):
         raise LoadError(f"{path} does not exist: check the path given to --model / --weights")
     if path.endswith(".gguf"):
-        from models.gguf import load_gguf, gguf_tokenizer
+        from tailorkv.models.gguf import load_gguf, gguf_tokenizer
         cfg, tensors = load_gguf(path, dtype=dtype, progress=progress)
         model = _place(cfg, tensors.items(), len(tensors), device, dtype, progress=None)
         return LoadedModel(model, gguf_tokenizer(path), cfg, family.get("name", _stem(path)), f"gguf:{path}", family)
-    from models import hf
+    from tailorkv.models import hf
     cfg = hf.read_config(path)
     shards = hf.shard_files(path)
     model = _place(cfg, hf.iter_tensors(shards), hf.tensor_count(shards), device, dtype, progress)
     tok = None
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from models.tokenizer import Tokenizer
+        from tailorkv.models.tokenizer import Tokenizer
         tok = Tokenizer.from_hf_folder(path)
     return LoadedModel(model, tok, cfg, family.get("name", cfg.name), f"hf:{path}", family)
 
@@ -91,9 +91,9 @@ def _stem(path: str) -> str:
 
 def _config_of(path: str) -> ModelConfig:
     if path.endswith(".gguf"):
-        from models.gguf import load_gguf_config
+        from tailorkv.models.gguf import load_gguf_config
         return load_gguf_config(path)
-    from models import hf
+    from tailorkv.models import hf
     return hf.read_config(path)
 
 
@@ -147,7 +147,7 @@ def _random_model(cfg: ModelConfig, device, dtype, seed: int) -> Llama:
 def _fallback_tokenizer(cfg: ModelConfig):
     """Random weights have no tokenizer of their own; borrow SmolLM2's when its ids fit the vocabulary."""
     try:
-        from models.gguf import smollm2_gguf_path, gguf_tokenizer
+        from tailorkv.models.gguf import smollm2_gguf_path, gguf_tokenizer
         tok = gguf_tokenizer(smollm2_gguf_path())
     except Exception:
         return None

@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from models.errors import LoadError, UnsupportedModel
+from tailorkv.models.errors import LoadError, UnsupportedModel
 
 # Tokens that end an assistant turn in chat models; generation stops on them as on eos.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>")
@@ -81,7 +81,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str) -> "Tokenizer":
-        from models.gguf import metadata, open_gguf
+        from tailorkv.models.gguf import metadata, open_gguf
         reader = open_gguf(path)
 
         def m(key, default=None):
@@ -255,3 +255,12 @@ def _sentencepiece_bpe(tokens: list[str], scores, types: list[int], unk_id: int 
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
                                     + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
     return tok
+
+
+def bos_prefix(tokenizer) -> list[int]:
+    """[bos] when the tokenizer wants one in front of a prompt and its chat template does not write it."""
+    tmpl = getattr(tokenizer, "chat_template", None) or ""
+    bos_tok = getattr(tokenizer, "bos_token", None)
+    bos_id = getattr(tokenizer, "bos_id", None)
+    wants = getattr(tokenizer, "add_bos", False) and not (bos_tok and bos_tok in tmpl)
+    return [bos_id] if wants and bos_id is not None else []

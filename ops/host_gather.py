@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ops import host_gather_cuda
-from ops.dispatch import op, register_kernel
+from tailorkv.ops import host_gather_cuda
+from tailorkv.ops.dispatch import op, register_kernel
 
 
 @op("gather_rows")

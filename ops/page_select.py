@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ops.dispatch import op
+from tailorkv.ops.dispatch import op
 
 
 def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ops.dispatch import op
+from tailorkv.ops.dispatch import op
 
 
 def codes_per_word(bits: int) -> int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ops.dispatch import op
-from ops.quant import codes_per_word, dequantize_keys, dequantize_values
+from tailorkv.ops.dispatch import op
+from tailorkv.ops.quant import codes_per_word, dequantize_keys, dequantize_values
 
 CHUNK = 8192  # tokens dequantized at once by the references (a multiple of every group size in use)
 

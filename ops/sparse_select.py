@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ops.dispatch import op
+from tailorkv.ops.dispatch import op
 
 
 def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:

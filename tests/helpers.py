@@ -2,13 +2,18 @@
 import pytest
 import torch
 
-from tests.conftest import rel_err  # noqa: F401
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert not torch.isnan(a).any() and not torch.isnan(b).any(), "NaN"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def smollm2_gguf_or_skip() -> str:
     """The SmolLM2 GGUF's path, or skip the test with the loader's reason."""
-    from models.errors import LoadError
-    from models.gguf import smollm2_gguf_path
+    from tailorkv.models.errors import LoadError
+    from tailorkv.models.gguf import smollm2_gguf_path
     try:
         return smollm2_gguf_path()
     except LoadError as e:
@@ -41,8 +46,8 @@ def write_tiny_folder(folder, *, hidden=64, n_layers=3, n_heads=8, n_kv=2, head_
 
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from models.config import ModelConfig
-    from models.llama import Llama
+    from tailorkv.models.config import ModelConfig
+    from tailorkv.models.llama import Llama
 
     os.makedirs(folder, exist_ok=True)
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
@@ -88,8 +93,8 @@ def check_png(path):
 def prefill_then_decode(loaded, ids, n_prompt):
     """Logits [T, V] of ids [1, T] from our model with the full cache: the first n_prompt tokens in one prefill,
     then one cached decode step per token."""
-    from engine.methods import build_cache
-    from engine.settings import MethodSettings
+    from tailorkv.engine.methods import build_cache
+    from tailorkv.engine.settings import MethodSettings
     cache = build_cache(loaded, MethodSettings("full"), max_len=ids.shape[1])
     got = [loaded.model(ids[:, :n_prompt], 0, cache, all_logits=True)[0]]
     for t in range(n_prompt, ids.shape[1]):

@@ -12,17 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cache import LayerSpec
-from engine.cache import ContextFull
-from engine.policies.full import FullCache
-from engine.policies.offload import OffloadCache
-from engine.policies.quest import QuestCache
-from engine.policies.snapkv import SnapKVCache, snap_scores
-from engine.policies.streaming import StreamingCache
-from engine.settings import MethodSettings
-from ops.attention import attention_with_mask, causal_attention
-from ops.page_select import page_bounds, page_scores, select_pages
-from tests.conftest import rel_err
+from tailorkv.engine.cache import LayerSpec
+from tailorkv.engine.cache import ContextFull
+from tailorkv.engine.policies.full import FullCache
+from tailorkv.engine.policies.offload import OffloadCache
+from tailorkv.engine.policies.quest import QuestCache
+from tailorkv.engine.policies.snapkv import SnapKVCache, snap_scores
+from tailorkv.engine.policies.streaming import StreamingCache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.ops.attention import attention_with_mask, causal_attention
+from tailorkv.ops.page_select import page_bounds, page_scores, select_pages
+from helpers import rel_err
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_baselines seed: TAILORKV_SEED={SEED}")

@@ -7,10 +7,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from engine import bench as B
-from engine.bench_cli import register
-from engine.settings import METHODS
-from tests.helpers import check_png, load_json_strict as load, write_tiny_hf
+from tailorkv.engine.bench import driver as B
+from tailorkv.engine.bench.command import register
+from tailorkv.engine.results import percentile
+from tailorkv.engine.settings import METHODS
+from helpers import check_png, load_json_strict as load, write_tiny_hf
 
 FAST = ["--decode-steps", "4", "--warmup", "1", "--device", "cpu", "--dtype", "fp32",
         "--budget", "48", "--sink", "8", "--recent", "16", "--channels", "4", "--quant-layers", "0"]
@@ -108,7 +109,7 @@ def test_oom_cell_is_reported_and_the_sweep_goes_on(tiny, tmp_path, monkeypatch)
         if settings.method == "streamingllm":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
         if settings.method == "snapkv":
-            raise ModuleNotFoundError("No module named 'engine.policies.snapkv'")
+            raise ModuleNotFoundError("No module named 'tailorkv.engine.policies.snapkv'")
         return real(loaded, settings, max_len, batch)
 
     monkeypatch.setattr(B, "build_cache", build)
@@ -124,7 +125,7 @@ def test_oom_cell_is_reported_and_the_sweep_goes_on(tiny, tmp_path, monkeypatch)
     assert status == {("streamingllm", 128): "oom", ("streamingllm", 192): "oom", ("snapkv", 128): "error",
                       ("snapkv", 192): "error", ("full", 128): "ok", ("full", 192): "ok"}
     snap = next(c for c in res["cells"] if c["method"] == "snapkv")
-    assert "engine.policies.snapkv" in snap["error"] and "traceback" in snap
+    assert "tailorkv.engine.policies.snapkv" in snap["error"] and "traceback" in snap
     assert "OOM" in r.output
     check_png(tmp_path / "bench" / "results" / folder / "decode_ms.png")
 
@@ -137,7 +138,7 @@ def test_helpers():
         B.parse_bytes("24 apples")
     assert B.is_oom(torch.cuda.OutOfMemoryError("x")) and B.is_oom(RuntimeError("CUDA out of memory"))
     assert not B.is_oom(RuntimeError("shape mismatch")) and not B.is_oom(ValueError("out of memory"))
-    assert B.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
     assert B.pcie_bytes({"bytes_fetched": 10, "bytes_copied": 5, "tokens_fetched": 99, "h2d_bytes": 1}) == 16
     plan = B.BenchPlan(ctxs=[1024], methods=["full"], hbm_gbps=1000, pcie_gbps=10)
     cell = {"stats": {"bytes_fetched": 1e7}, "kv_device_bytes": 1e9, "decode_ms": {"median": 4.0}}

@@ -2,12 +2,12 @@
 logits equal a fresh prefill of the whole conversation. Ctrl-C keeps the history and a usable cache."""
 import pytest
 
-from engine.chat import ChatSession
-from engine.generate import Engine
-from engine.methods import build_cache
-from engine.settings import MethodSettings
-from models.loader import load_model
-from tests.helpers import rel_err
+from tailorkv.engine.chat import ChatSession
+from tailorkv.engine.generate import Engine
+from tailorkv.engine.methods import build_cache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.loader import load_model
+from helpers import rel_err
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_context_full_keeps_history(smol):
     chat = new_chat(smol)
     chat.send("Hi!", max_new_tokens=4)
     before = [dict(m) for m in chat.messages]
-    from engine.generate import ContextTooLong
+    from tailorkv.engine.generate import ContextTooLong
     with pytest.raises(ContextTooLong):
         chat.send("word " * 3000)
     assert chat.messages == before

@@ -6,8 +6,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli import main
-from tests.helpers import write_tiny_hf
+from tailorkv.cli import main
+from helpers import write_tiny_hf
 
 
 def call(*args):
@@ -85,7 +85,7 @@ def test_cuda_requested_but_absent():
 
 
 def test_parse_ctx():
-    from cli import parse_ctx
+    from tailorkv.cli import parse_ctx
     assert parse_ctx("8192") == 8192 and parse_ctx("8k") == 8192 and parse_ctx("128K") == 131072
 
 

@@ -3,10 +3,10 @@ eager path; on a GPU the captured graph equals eager decoding."""
 import pytest
 import torch
 
-from engine.methods import build_cache
-from engine.settings import MethodSettings
-from models.loader import load_model
-from tests.helpers import rel_err, write_tiny_hf
+from tailorkv.engine.methods import build_cache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.loader import load_model
+from helpers import rel_err, write_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_tensor_position_path_equals_eager(tiny):
 
 
 def test_bucket_bounds():
-    from engine.cuda_graph import bucket_for
+    from tailorkv.engine.cuda_graph import bucket_for
     for n in [1, 255, 256, 257, 2048, 2049, 5000, 8193, 100_000, 131072]:
         b = bucket_for(n, 131072)
         assert n <= b <= 131072
@@ -43,7 +43,7 @@ def test_bucket_bounds():
 
 @pytest.mark.cuda
 def test_cuda_graph_decode_equals_eager(tiny):
-    from engine.cuda_graph import GraphedDecoder
+    from tailorkv.engine.cuda_graph import GraphedDecoder
     lm = load_model(tiny, device="cuda", dtype=torch.float32)
     cache = build_cache(lm, MethodSettings("full"), max_len=3000)
     ids = torch.randint(3, 300, (1, 2100), device="cuda")
@@ -58,7 +58,7 @@ def test_cuda_graph_decode_equals_eager(tiny):
 
 
 def test_long_prefills_release_cached_blocks_on_cuda_only(monkeypatch):
-    from engine.generate import RELEASE_AFTER, release_prefill_blocks
+    from tailorkv.engine.generate import RELEASE_AFTER, release_prefill_blocks
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
     release_prefill_blocks("cpu", RELEASE_AFTER * 4)

@@ -10,13 +10,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from engine.evaluation import driver as D
-from engine.evaluation.fidelity import RecallProbe, compare_logits, fidelity_ids, run_fidelity
-from engine.evaluation.tasks import make_suite
-from engine.eval_cli import register
-from engine.settings import MethodSettings
-from models.loader import load_model
-from tests.helpers import check_png, load_json_strict as load, write_tiny_folder
+from tailorkv.engine.evaluation import driver as D
+from tailorkv.engine.evaluation.fidelity import RecallProbe, compare_logits, fidelity_ids, run_fidelity
+from tailorkv.engine.evaluation.tasks import make_suite
+from tailorkv.engine.evaluation.command import register
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.loader import load_model
+from helpers import check_png, load_json_strict as load, write_tiny_folder
 
 VOCAB = 256
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
@@ -147,15 +147,15 @@ def test_fidelity_sparse_budget_and_recall(tiny):
     assert 0.0 < r["attn_recall"] < 1.0 and 0.0 <= r["attn_recall_min"] <= r["attn_recall"]
     assert r["attn_recall_unobserved_steps"] == 0
     assert math.isfinite(r["kl_mean"]) and r["kl_mean"] >= 0 and 0 <= r["top1_agreement"] <= 100
-    import engine.policies.sparse as sp
-    from ops.sparse_select import topk_tokens
+    import tailorkv.engine.policies.sparse as sp
+    from tailorkv.ops.sparse_select import topk_tokens
     assert sp.topk_tokens is topk_tokens  # the probe put the policy back as it was
 
 
 def test_recall_probe_against_brute_force(tiny):
     """Recall of one decode step recomputed independently from the layer's stored K and the picked rows."""
-    from engine.generate import Engine
-    from engine.methods import build_cache
+    from tailorkv.engine.generate import Engine
+    from tailorkv.engine.methods import build_cache
     s = MethodSettings(method="tailorkv", quant_layers=[0], budget=40, sink=4, recent=8, channels=2)
     eng = Engine(tiny, build_cache(tiny, s, 400))
     ids = fidelity_ids(tiny.tokenizer, 200)
@@ -171,7 +171,7 @@ def test_recall_probe_against_brute_force(tiny):
     layer.attend = spy
     with RecallProbe(eng.cache) as probe:
         picked = []
-        import engine.policies.sparse as sp
+        import tailorkv.engine.policies.sparse as sp
         inner = sp.topk_tokens
         sp.topk_tokens = lambda sc, k: picked.append(inner(sc, k)) or picked[-1]
         try:
@@ -347,7 +347,7 @@ def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--methods", "full,magic"], "unknown method 'magic'"),
-    (["--lengths", "4k,abc"], "--lengths: 'abc' is not a length"),
+    (["--lengths", "4k,abc"], "--lengths 'abc' is not a length"),
     (["--lengths", "8k"], "beyond what"),
     (["--shard", "3/2", "--out", "x"], "--shard 3/2"),
     (["--shard", "0/2"], "--shard needs --out"),

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from engine.evaluation import TASKS, make_suite, score, string_match_all, string_match_part
-from engine.evaluation.haystack import WordPool, essay_units
+from tailorkv.engine.evaluation import TASKS, make_suite, score, string_match_all, string_match_part
+from tailorkv.engine.evaluation.haystack import WordPool, essay_units
 
 
 class WordTokenizer:

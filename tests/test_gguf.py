@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from models.errors import LoadError, UnsupportedModel
-from models.gguf import load_gguf, load_gguf_config, unpermute_llama_cpp
-from tests.helpers import smollm2_gguf_or_skip
+from tailorkv.models.errors import LoadError, UnsupportedModel
+from tailorkv.models.gguf import load_gguf, load_gguf_config, unpermute_llama_cpp
+from helpers import smollm2_gguf_or_skip
 
 
 @pytest.fixture(scope="module")

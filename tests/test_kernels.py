@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from ops import dispatch
-from ops.host_gather import gather_rows
+from tailorkv.ops import dispatch
+from tailorkv.ops.host_gather import gather_rows
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_kernels seed: TAILORKV_SEED={SEED}")
@@ -66,9 +66,9 @@ def test_gather_rows_kernel_equals_reference(dtype):
 
 @pytest.mark.cuda
 def test_sparse_decode_with_kernels_equals_reference(monkeypatch):
-    from engine.cache import LayerSpec
-    from engine.policies.sparse import SparseOffloadCache
-    from engine.settings import MethodSettings
+    from tailorkv.engine.cache import LayerSpec
+    from tailorkv.engine.policies.sparse import SparseOffloadCache
+    from tailorkv.engine.settings import MethodSettings
     spec = LayerSpec(1, 9, 3, 64, 600, 1, torch.float32, torch.device("cuda"))
     s = MethodSettings(method="tailorkv", sink=4, recent=8, budget=40, channels=8)
     outs = {}

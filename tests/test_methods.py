@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from engine import methods
-from engine.settings import MethodSettings
+from tailorkv.engine import methods
+from tailorkv.engine.settings import MethodSettings
 
 
 def test_profile_file_by_model_name(tmp_path, monkeypatch):

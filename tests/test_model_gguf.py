@@ -5,11 +5,11 @@ import os
 import pytest
 import torch
 
-from engine.methods import build_cache
-from engine.settings import MethodSettings
-from models.gguf import smollm2_gguf_path
-from models.loader import load_model
-from tests.helpers import prefill_then_decode, rel_err
+from tailorkv.engine.methods import build_cache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.gguf import smollm2_gguf_path
+from tailorkv.models.loader import load_model
+from helpers import prefill_then_decode, rel_err
 
 
 @pytest.fixture(scope="module")

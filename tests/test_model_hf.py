@@ -3,10 +3,10 @@ scaling, untied embeddings): over a 512-token prefill and 32 cached decode steps
 import pytest
 import torch
 
-from engine.methods import build_cache
-from engine.settings import MethodSettings
-from models.loader import load_model
-from tests.helpers import prefill_then_decode, rel_err, write_tiny_hf
+from tailorkv.engine.methods import build_cache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.loader import load_model
+from helpers import prefill_then_decode, rel_err, write_tiny_hf
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from engine.cache import LayerCache
-from engine.calibration import CalibrationCache, layer_p, profile_model
-from models.loader import load_model
-from ops.attention import causal_attention
-from tests.helpers import write_tiny_folder
+from tailorkv.engine.cache import LayerCache
+from tailorkv.engine.profiling.calibration import CalibrationCache, layer_p, profile_model
+from tailorkv.models.loader import load_model
+from tailorkv.ops.attention import causal_attention
+from helpers import write_tiny_folder
 
 N_LAYERS, N_HEADS, N_KV, HEAD_DIM, VOCAB = 3, 8, 2, 8, 300
 
@@ -66,7 +66,7 @@ class Recorder(LayerCache):
 
 
 def record_qk(loaded, ids):
-    from engine.cache import ModelCache
+    from tailorkv.engine.cache import ModelCache
     cache = ModelCache([Recorder() for _ in range(loaded.cfg.n_layers)])
     loaded.model(torch.tensor([ids]), 0, cache)
     return [(layer.q, layer.k) for layer in cache.layers]
@@ -130,9 +130,9 @@ def test_p_bounds_and_extremes():
 
 def test_calibration_output_equals_full_attention(tiny):
     """The calibration prefill returns the normal attention output: logits equal a full-cache run."""
-    from engine.calibration import calibration_cache
-    from engine.methods import build_cache
-    from engine.settings import MethodSettings
+    from tailorkv.engine.profiling.calibration import calibration_cache
+    from tailorkv.engine.methods import build_cache
+    from tailorkv.engine.settings import MethodSettings
     ids = torch.tensor([tiny_ids(90, seed=7)])
     ref = tiny.model(ids, 0, build_cache(tiny, MethodSettings(), 128), all_logits=True)
     cal = calibration_cache(tiny.cfg, 32, 0.05, 1, "cpu", torch.float32)
@@ -148,7 +148,7 @@ def test_progress_hook_reaches_every_layer(tiny):
 
 
 def test_bad_settings_raise():
-    from engine.calibration import validate
+    from tailorkv.engine.profiling.calibration import validate
     for kw in ({"tau": 0.0}, {"tau": 1.0}, {"tau": -0.1}, {"top": 0.0}, {"top": 1.5}, {"n_q": 0}):
         args = {"n_q": 32, "top": 0.05, "tau": 0.2, **kw}
         with pytest.raises(ValueError):
@@ -159,9 +159,9 @@ def test_bad_settings_raise():
 
 @pytest.fixture(scope="module")
 def cli_main():
-    from cli import main
+    from tailorkv.cli import main
     if "profile" not in main.commands:
-        from engine.profile_cli import register
+        from tailorkv.engine.profiling.command import register
         register(main)
     return main
 
@@ -239,7 +239,7 @@ def test_cli_empty_data_and_bad_tau(cli_main, tiny_dir, tmp_path):
 
 
 def test_failed_write_leaves_no_file(tmp_path):
-    from engine.profile_cli import write_atomically
+    from tailorkv.engine.results import write_files_atomically as write_atomically
     a, b = tmp_path / "a.png", tmp_path / "a.json"
 
     def boom(tmp):
@@ -274,7 +274,7 @@ def test_shipped_smollm2_profile_reproduces():
         loaded = load_model(opt("--model"))
     except Exception as e:  # noqa: BLE001 - the GGUF package may be absent
         pytest.skip(f"SmolLM2 weights unavailable: {e}")
-    from engine.calibration_text import TEXT
+    from tailorkv.engine.profiling.text import TEXT
     import hashlib
     assert hashlib.sha256(TEXT.encode()).hexdigest() == prof["calibration"]["sha256"]
     ids = loaded.tokenizer.encode(TEXT)[: int(opt("--length"))]
@@ -288,7 +288,7 @@ def test_shipped_smollm2_profile_reproduces():
 
 def test_random_weights_never_overwrite_a_real_profile():
     from types import SimpleNamespace
-    from engine.profile_cli import default_out
+    from tailorkv.engine.profiling.command import default_out
     fam = {"profile": "profiles/smollm2-135m.json"}
     real = default_out(SimpleNamespace(family=fam, random=False, name="smollm2-135m"))
     rand = default_out(SimpleNamespace(family=fam, random=True, name="smollm2-135m"))

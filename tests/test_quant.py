@@ -11,14 +11,14 @@ import zlib
 import pytest
 import torch
 
-import ops.quant_attention as qa
-from engine.cache import LayerSpec
-from engine.policies.full import FullCache
-from engine.policies.quant import QuantCache
-from engine.settings import MethodSettings
-from ops.quant import (codes_per_word, dequantize_keys, dequantize_values, pack, quantize_keys,
+import tailorkv.ops.quant_attention as qa
+from tailorkv.engine.cache import LayerSpec
+from tailorkv.engine.policies.full import FullCache
+from tailorkv.engine.policies.quant import QuantCache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.ops.quant import (codes_per_word, dequantize_keys, dequantize_values, pack, quantize_keys,
                        quantize_values, unpack)
-from ops.quant_attention import av_quant, qk_quant
+from tailorkv.ops.quant_attention import av_quant, qk_quant
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_quant seed: TAILORKV_SEED={SEED}")

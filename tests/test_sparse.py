@@ -10,15 +10,15 @@ import zlib
 import pytest
 import torch
 
-import engine.policies.sparse as sparse
-from engine.cache import LayerSpec, ModelCache
-from engine.policies.full import FullCache
-from engine.policies.sparse import SparseOffloadCache
-from engine.settings import MethodSettings
-from ops.attention import attention_with_mask
-from ops.host_gather import gather_rows
-from ops.sparse_select import approx_scores, channel_scores, topk_channels, topk_tokens
-from tests.conftest import rel_err
+import tailorkv.engine.policies.sparse as sparse
+from tailorkv.engine.cache import LayerSpec, ModelCache
+from tailorkv.engine.policies.full import FullCache
+from tailorkv.engine.policies.sparse import SparseOffloadCache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.ops.attention import attention_with_mask
+from tailorkv.ops.host_gather import gather_rows
+from tailorkv.ops.sparse_select import approx_scores, channel_scores, topk_channels, topk_tokens
+from helpers import rel_err
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_sparse seed: TAILORKV_SEED={SEED}")
@@ -218,16 +218,16 @@ def test_predicted_query_selects_channels(gen, monkeypatch):
 
 # --- (g) the prediction for layer l uses layer l's weights on layer l-1's normalized input -----------------
 def tiny_model(n_layers=3):
-    from models.config import ModelConfig
-    from models.loader import _random_model
+    from tailorkv.models.config import ModelConfig
+    from tailorkv.models.loader import _random_model
     cfg = ModelConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=64,
                       head_dim=32, rope_theta=10000.0)
     return cfg, _random_model(cfg, torch.device("cpu"), torch.float32, seed=SEED % 1000)
 
 
 def test_prediction_uses_next_layers_weights(gen):
-    from engine.methods import build_cache
-    from models.loader import LoadedModel
+    from tailorkv.engine.methods import build_cache
+    from tailorkv.models.loader import LoadedModel
     cfg, model = tiny_model()
     st = MethodSettings(method="tailorkv", quant_layers=[0], sink=2, recent=4, budget=10, channels=4)
     try:

@@ -5,12 +5,12 @@ import random
 import pytest
 import torch
 
-from engine.chat import ChatSession
-from engine.generate import Engine
-from engine.methods import build_cache
-from engine.settings import MethodSettings
-from engine.evaluation import tasks
-from models.loader import load_model
+from tailorkv.engine.chat import ChatSession
+from tailorkv.engine.generate import Engine
+from tailorkv.engine.methods import build_cache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.engine.evaluation import tasks
+from tailorkv.models.loader import load_model
 
 BUDGET_3PCT = dict(budget=120, sink=16, recent=32)  # 3% of 4000 tokens: 16 sink + 72 top-K + 32 recent
 

@@ -6,9 +6,9 @@ import gguf
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from models.errors import LoadError, UnsupportedModel
-from models.tokenizer import Tokenizer
-from tests.helpers import smollm2_gguf_or_skip
+from tailorkv.models.errors import LoadError, UnsupportedModel
+from tailorkv.models.tokenizer import Tokenizer
+from helpers import smollm2_gguf_or_skip
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,6 +1,6 @@
 """The driver behind `tailorkv eval`: task accuracy of every method against the full cache on one loaded model.
 
-Pure functions, no CLI (engine/eval_cli.py is the command). One work item is either
+Pure functions, no CLI (engine/evaluation/command.py is the command). One work item is either
 - a task item (length, method, sample): build a fresh cache for the method (max_len = prompt + max new + 16),
   greedy-decode the sample's prompt, score the answer (scoring.score x 100); or
 - a fidelity item (length, method): teacher-forced comparison with the full cache (fidelity.py).
@@ -42,9 +42,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from engine.evaluation.scoring import score
-from engine.evaluation.tasks import TASKS, Sample, make_suite
-from engine.settings import METHODS, MethodSettings
+from tailorkv.engine import ui
+from tailorkv.models.tokenizer import bos_prefix
+from tailorkv.engine.evaluation.scoring import score
+from tailorkv.engine.evaluation.tasks import TASKS, Sample, make_suite
+from tailorkv.engine.settings import METHODS, MethodSettings
 
 SCHEMA = 1
 KIND = "tailorkv-eval"
@@ -67,35 +69,16 @@ TIMING_KEYS = ("prefill_s", "decode_s", "wall_s")  # the only record fields that
 
 
 # ------------------------------------------------------------------------------------------------ parsing
-def split_list(text: str | None) -> list[str]:
-    """'a, b,,a' -> ['a', 'b'] (order kept, duplicates dropped)."""
-    out: list[str] = []
-    for part in (text or "").split(","):
-        part = part.strip()
-        if part and part not in out:
-            out.append(part)
-    return out
-
-
 def parse_length(text: str) -> int:
     """'4096', '4k', '0.5k', '1m' -> tokens (k = 1024). ValueError naming --lengths otherwise."""
-    t = text.strip().lower()
-    try:
-        if t.endswith("k"):
-            n = int(float(t[:-1]) * 1024)
-        elif t.endswith("m"):
-            n = int(float(t[:-1]) * 1024 * 1024)
-        else:
-            n = int(t)
-    except ValueError:
-        raise ValueError(f"--lengths: '{text}' is not a length; write e.g. 2k,4k,8k or 4096") from None
+    n = ui.parse_length(text, "--lengths")
     if n < 64:
         raise ValueError(f"--lengths: {text} is too short; use at least 64 tokens")
     return n
 
 
 def parse_lengths(text: str) -> list[int]:
-    parts = split_list(text)
+    parts = ui.split_list(text)
     if not parts:
         raise ValueError("--lengths is empty: give at least one length, e.g. 4k")
     out = []
@@ -107,7 +90,7 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def parse_methods(text: str) -> list[str]:
-    names = split_list(text)
+    names = ui.split_list(text)
     if not names:
         raise ValueError(f"--methods is empty: name at least one of {', '.join(METHODS)}")
     bad = [m for m in names if m not in METHODS]
@@ -117,7 +100,7 @@ def parse_methods(text: str) -> list[str]:
 
 
 def parse_tasks(text: str | None) -> list[str]:
-    names = split_list(text) or list(TASKS)
+    names = ui.split_list(text) or list(TASKS)
     bad = [t for t in names if t not in TASKS]
     if bad:
         raise ValueError(f"unknown task '{bad[0]}' in --tasks: choose from {', '.join(TASKS)}")
@@ -249,15 +232,6 @@ def shard_items(items: list[dict], shard: tuple[int, int] | None) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ prompts
-def bos_prefix(tokenizer) -> list[int]:
-    """[bos] when the tokenizer wants one in front of a prompt and the chat template does not write it."""
-    tmpl = getattr(tokenizer, "chat_template", None) or ""
-    bos_tok = getattr(tokenizer, "bos_token", None)
-    bos_id = getattr(tokenizer, "bos_id", None)
-    wants = getattr(tokenizer, "add_bos", False) and not (bos_tok and bos_tok in tmpl)
-    return [bos_id] if wants and bos_id is not None else []
-
-
 def user_message(sample: Sample) -> str:
     """The question before and after the long text."""
     return sample.question.strip() + "\n\n" + sample.context + sample.question
@@ -336,8 +310,8 @@ def _mean(xs: list[float]) -> float | None:
 
 def run_sample(loaded, settings: MethodSettings, sample: Sample, max_new: int) -> dict:
     """Greedy-decode one sample with a fresh cache; returns the record's measured fields."""
-    from engine.generate import Engine
-    from engine.methods import build_cache
+    from tailorkv.engine.generate import Engine
+    from tailorkv.engine.methods import build_cache
 
     tok = loaded.tokenizer
     ids = prompt_ids(tok, sample)
@@ -362,7 +336,7 @@ def run_sample(loaded, settings: MethodSettings, sample: Sample, max_new: int) -
 
 
 def _failure(e: BaseException) -> dict:
-    from engine.bench import is_oom
+    from tailorkv.engine.bench.driver import is_oom
     status = "oom" if is_oom(e) else "error"
     out = {"status": status, "error": f"{type(e).__name__}: {e}".strip()}
     if status == "error":
@@ -373,7 +347,7 @@ def _failure(e: BaseException) -> dict:
 def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]], texts: dict | None = None,
              on_phase: Callable[[str], None] | None = None) -> dict:
     """One work item -> its record. Never raises for a failing method: status 'ok', 'oom' or 'error'."""
-    from engine.bench import free_device
+    from tailorkv.engine.bench.driver import free_device
     device = loaded.model.output_weight.device
     n, m = item["length"], item["method"]
     settings = plan.settings(m, n)
@@ -391,7 +365,7 @@ def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]]
         if item["kind"] == "task":
             rec.update(run_sample(loaded, settings, sample, plan.max_new(sample.task)))
         else:
-            from engine.evaluation.fidelity import fidelity_ids, run_fidelity
+            from tailorkv.engine.evaluation.fidelity import fidelity_ids, run_fidelity
             ids = texts.get(n) if texts is not None else None
             if ids is None:
                 ids = fidelity_ids(loaded.tokenizer, n)
@@ -411,7 +385,7 @@ def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]]
 def check_methods(loaded, plan: EvalPlan) -> None:
     """Build a tiny cache for every (method, length) setting so configuration errors (no layer profile, a
     budget a policy refuses) surface once, as one clear message, before any work."""
-    from engine.methods import build_cache
+    from tailorkv.engine.methods import build_cache
     for n in plan.lengths:
         for m in plan.methods:
             s = plan.settings(m, n)

@@ -26,14 +26,14 @@ from typing import Callable
 
 import torch
 
-from engine.bench import percentile
-from engine.evaluation.haystack import Filler, essay_units
+from tailorkv.engine.results import percentile
+from tailorkv.engine.evaluation.haystack import Filler, essay_units
 
 
 def fidelity_ids(tokenizer, length: int) -> list[int]:
     """length + 1 token ids of essay text (BOS first when the tokenizer wants one): the first `length` are
     fed, each of the last N + 1 is the target of the step before it."""
-    from engine.evaluation.driver import bos_prefix
+    from tailorkv.models.tokenizer import bos_prefix
     bos = bos_prefix(tokenizer)
     need = length + 1 - len(bos)
     filler = Filler(essay_units(), 0)
@@ -56,7 +56,7 @@ class RecallProbe:
         self._picked = None
 
     def __enter__(self):
-        import engine.policies.sparse as sp
+        import tailorkv.engine.policies.sparse as sp
         self._module = sp
         self._orig_topk = sp.topk_tokens
 
@@ -139,9 +139,9 @@ def run_fidelity(loaded, settings, ids: list[int], n_steps: int, recall: bool = 
                  on_phase: Callable[[str], None] | None = None) -> dict:
     """Teacher-force ids[:-1] through the full cache and through `settings`' cache side by side; compare the
     last n_steps next-token distributions. Returns the record's measured fields."""
-    from engine.generate import Engine
-    from engine.methods import build_cache
-    from engine.settings import MethodSettings
+    from tailorkv.engine.generate import Engine
+    from tailorkv.engine.methods import build_cache
+    from tailorkv.engine.settings import MethodSettings
 
     say = on_phase or (lambda s: None)
     length = len(ids) - 1

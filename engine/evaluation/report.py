@@ -13,7 +13,7 @@ import os
 
 from rich.table import Table
 
-from engine.evaluation.driver import length_label
+from tailorkv.engine.evaluation.driver import length_label
 
 
 def _fmt(x, digits: int = 1, pct: bool = False) -> str:
@@ -105,7 +105,7 @@ def _plt():
 
 
 def _save(fig, path: str) -> None:
-    from engine.bench import write_atomic
+    from tailorkv.engine.results import write_atomic
     plt = _plt()
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", bbox_inches="tight"))
     plt.close(fig)
@@ -181,7 +181,7 @@ def plot_fidelity(res: dict, path: str) -> None:
 
 def write_outputs(res: dict, folder: str) -> list[str]:
     """eval.json plus the charts; returns the paths written."""
-    from engine.bench import write_json
+    from tailorkv.engine.results import write_json
     paths = [os.path.join(folder, "eval.json")]
     write_json(paths[0], res)
     if res["eval"]["samples_per_task"] and res["records"]:

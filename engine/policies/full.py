@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache import LayerCache, LayerSpec
-from ops.attention import causal_attention, decode_attention
+from tailorkv.engine.cache import LayerCache, LayerSpec
+from tailorkv.ops.attention import causal_attention, decode_attention
 
 
 class FullCache(LayerCache):

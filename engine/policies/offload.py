@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache import LayerCache, LayerSpec
-from engine.settings import MethodSettings
-from ops.attention import causal_attention
+from tailorkv.engine.cache import LayerCache, LayerSpec
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.ops.attention import causal_attention
 
 
 class OffloadCache(LayerCache):

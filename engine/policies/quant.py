@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache import LayerCache, LayerSpec
-from engine.settings import MethodSettings
-from ops.attention import causal_attention, softmax_scale
-from ops.quant import codes_per_word, dequantize_keys, dequantize_values, quantize_keys, quantize_values
-from ops.quant_attention import av_quant, qk_quant
+from tailorkv.engine.cache import LayerCache, LayerSpec
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.ops.attention import causal_attention, softmax_scale
+from tailorkv.ops.quant import codes_per_word, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from tailorkv.ops.quant_attention import av_quant, qk_quant
 
 
 class QuantCache(LayerCache):

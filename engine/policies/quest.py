@@ -15,10 +15,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.cache import LayerCache, LayerSpec
-from engine.settings import MethodSettings
-from ops.attention import attention_with_mask, causal_attention
-from ops.page_select import page_scores, select_pages
+from tailorkv.engine.cache import LayerCache, LayerSpec
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.ops.attention import attention_with_mask, causal_attention
+from tailorkv.ops.page_select import page_scores, select_pages
 
 
 class QuestCache(LayerCache):

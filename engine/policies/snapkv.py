@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.cache import LayerCache, LayerSpec
-from engine.settings import MethodSettings
-from ops.attention import attention_with_mask, causal_attention, softmax_scale
+from tailorkv.engine.cache import LayerCache, LayerSpec
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.ops.attention import attention_with_mask, causal_attention, softmax_scale
 
 
 def snap_scores(q_win: torch.Tensor, k: torch.Tensor, pool: int) -> torch.Tensor:

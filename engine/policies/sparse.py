@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache import LayerCache, LayerSpec
-from engine.settings import MethodSettings
-from ops.attention import attention_with_mask, causal_attention
-from ops.host_gather import gather_rows
-from ops.sparse_select import approx_scores, channel_scores, topk_channels, topk_tokens
+from tailorkv.engine.cache import LayerCache, LayerSpec
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.ops.attention import attention_with_mask, causal_attention
+from tailorkv.ops.host_gather import gather_rows
+from tailorkv.ops.sparse_select import approx_scores, channel_scores, topk_channels, topk_tokens
 
 FLUSH = 128  # generated tokens the tail may hold beyond `recent` before they move to the host store
 

@@ -6,14 +6,12 @@ import hashlib
 import json
 import os
 import shlex
-import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 
 import click
 
-from engine.calibration import DEFAULT_N_Q, DEFAULT_TAU, DEFAULT_TOP
+from tailorkv.engine.profiling.calibration import DEFAULT_N_Q, DEFAULT_TAU, DEFAULT_TOP
 
 DEFAULT_LENGTH = 4096
 SHORT_WARNING = 1024  # below this many calibration tokens P gets noisy
@@ -23,20 +21,11 @@ METHOD_NOTE = ("last n_q queries, per head softmax(q K^T / sqrt(D)) with the cau
                "P = 1 - mean over heads and rows of the kept mass; quant_layers = layers with P > tau")
 
 
-def _cli_module(main):
-    """The module that defines `main` (cli.py) holds the shared helpers; fall back to importing cli."""
-    mod = sys.modules.get(getattr(getattr(main, "callback", None), "__module__", ""), None)
-    if mod is not None and all(hasattr(mod, n) for n in ("model_options", "friendly", "load_with_progress")):
-        return mod
-    import cli
-    return cli
-
-
 def register(main) -> None:
-    cli = _cli_module(main)
+    from tailorkv.engine import ui
 
     @main.command("profile")
-    @cli.model_options
+    @ui.model_options
     @click.option("--data", default=None, help="calibration text file (UTF-8)  [default: the built-in text]")
     @click.option("--tau", type=float, default=DEFAULT_TAU, show_default=True,
                   help="P above tau = quantization-friendly layer")
@@ -48,16 +37,16 @@ def register(main) -> None:
                   help="fraction of the keys kept per query row")
     @click.option("--out", default=None,
                   help="profile JSON  [default: configs/profiles/<model>.json]; the PNG goes next to it")
-    @cli.friendly
+    @ui.friendly
     def profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out):
         """Calibrate the layer types (TailorKV offline identification) and write the model's profile."""
-        run_profile(cli, model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out)
+        run_profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out)
 
 
 def read_data(data: str | None) -> tuple[str, bytes, str]:
     """(text, raw bytes, source label) of the calibration data."""
     if data is None:
-        from engine.calibration_text import SOURCE, TEXT
+        from tailorkv.engine.profiling.text import SOURCE, TEXT
         return TEXT, TEXT.encode("utf-8"), SOURCE
     if os.path.isdir(data):
         raise ValueError(f"--data {data} is a folder: give a text file")
@@ -77,7 +66,7 @@ def read_data(data: str | None) -> tuple[str, bytes, str]:
 def default_out(loaded) -> str:
     """configs/<the family's "profile" entry>, else configs/profiles/<model name>.json. A random-weights
     profile is meaningless: it goes to <name>-random.json, which no run loads, never over a real profile."""
-    from models.loader import CONFIG_DIR
+    from tailorkv.models.loader import CONFIG_DIR
     rel = (loaded.family or {}).get("profile")
     if rel and not loaded.random:
         return os.path.join(CONFIG_DIR, rel)
@@ -87,33 +76,6 @@ def default_out(loaded) -> str:
 
 def png_path(json_path: str) -> str:
     return os.path.splitext(json_path)[0] + ".png"
-
-
-def tailorkv_version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("tailorkv")
-    except Exception:
-        pass
-    try:
-        import tomllib
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        with open(os.path.join(root, "pyproject.toml"), "rb") as f:
-            return tomllib.load(f)["project"]["version"]
-    except Exception:
-        return "unknown"
-
-
-def git_commit() -> str | None:
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        r = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-    except Exception:
-        return None
-    if r.returncode != 0:
-        return None
-    return r.stdout.strip() or None
 
 
 def reproduce_command(model, weights, random_weights, device: str, dtype: str, data, tau, length, n_q, top,
@@ -133,43 +95,20 @@ def reproduce_command(model, weights, random_weights, device: str, dtype: str, d
     return shlex.join(args)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_atomically(files: list[tuple[str, callable]]) -> None:
-    """Write every (path, writer(tmp_path)) to a temp file beside its target, then rename them all into place:
-    a failure leaves no partial file behind."""
-    temps: list[tuple[str, str]] = []
-    try:
-        for path, writer in files:
-            folder = os.path.dirname(os.path.abspath(path))
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-            os.close(fd)
-            temps.append((tmp, path))
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
-            writer(tmp)
-        for tmp, path in temps:
-            os.replace(tmp, path)
-    finally:
-        for tmp, _ in temps:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-
-def run_profile(cli, model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out) -> dict:
+def run_profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
     import torch
 
-    from engine.calibration import profile_model, validate
-    from engine.profile_plot import plot_profile
+    from tailorkv.engine.profiling.calibration import profile_model, validate
+    from tailorkv.engine.profiling.plot import plot_profile
 
-    err = cli.err
+    from tailorkv import __version__
+    from tailorkv.engine import ui
+    from tailorkv.engine.results import git_commit, write_files_atomically
+
+    err = ui.err
     validate(n_q, top, tau)
     if length is not None and length < 2:
         raise ValueError(f"--length must be at least 2 tokens, got {length}")
@@ -180,9 +119,9 @@ def run_profile(cli, model, weights, random_weights, device, dtype, data, tau, l
             raise ValueError("--out names the JSON profile (the PNG goes next to it): use a .json name")
     text, raw, source = read_data(data)
 
-    dev = cli.pick_device(device)
-    dt = cli.pick_dtype(dtype, dev)
-    loaded = cli.load_with_progress(model, weights, random_weights, dev, dt)
+    dev = ui.pick_device(device)
+    dt = ui.pick_dtype(dtype, dev)
+    loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
     tok = loaded.tokenizer
     if tok is None:
         raise ValueError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
@@ -245,7 +184,7 @@ def run_profile(cli, model, weights, random_weights, device, dtype, data, tau, l
         "command": reproduce_command(model, weights, random_weights, dev_name, dtype_name, data, tau, want,
                                      n_q, top, out),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "tailorkv_version": tailorkv_version(),
+        "tailorkv_version": __version__,
         "torch_version": torch.__version__,
         "git_head": git_commit(),  # the commit the working tree was based on
         "seconds": round(secs, 2),
@@ -257,7 +196,7 @@ def run_profile(cli, model, weights, random_weights, device, dtype, data, tau, l
             json.dump(prof, f, indent=2)
             f.write("\n")
 
-    write_atomically([(img_path, lambda tmp: plot_profile(prof, tmp)), (out_path, write_json)])
+    write_files_atomically([(img_path, lambda tmp: plot_profile(prof, tmp)), (out_path, write_json)])
 
     con = Console(highlight=False)
     con.print(f"[bold]{loaded.name}[/]: P per layer from {len(ids)} calibration tokens, last {res['rows']} "

@@ -15,16 +15,10 @@ stats() key that starts with "bytes_" or names a direction ("h2d", "d2h"). stats
 """
 from __future__ import annotations
 
-import datetime
 import gc
-import json
 import os
-import platform
 import re
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,14 +26,14 @@ from typing import Callable
 
 import torch
 
-from engine.generate import release_prefill_blocks
-from engine.methods import build_cache
-from engine.settings import MethodSettings
+from tailorkv.engine.generate import release_prefill_blocks
+from tailorkv.engine.results import percentile
+from tailorkv.engine.methods import build_cache
+from tailorkv.engine.settings import MethodSettings
 
 HBM_GBPS = 4300.0   # H200 device-to-device copy, read + write (DESIGN.md, "Measured on the lent H200 machine")
 PCIE_GBPS = 55.0    # H200 host, pinned host-to-device copy (same place)
 MARGIN = 16         # free cache slots left after prefill + warm-up + timed steps
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -113,38 +107,6 @@ def process_rss() -> int | None:
         return None
 
 
-def _run(cmd: list[str]) -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=REPO)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def environment(device: torch.device) -> dict:
-    cuda = device.type == "cuda"
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-    env = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        # TAILORKV_COMMIT names the commit of a copy of the tree whose .git is missing or stale (a lent GPU machine)
-        "git_commit": os.environ.get("TAILORKV_COMMIT") or _run(["git", "rev-parse", "HEAD"]) or "unknown",
-        "git_dirty": None if status is None else bool(status),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if cuda else None,
-        "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
-        "driver": None,
-    }
-    if cuda:
-        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-        env["driver"] = smi.splitlines()[0].strip() if smi else None
-    return env
-
-
 def set_memory_limit(limit_bytes: int, device: torch.device) -> float:
     """Cap what this process may allocate on the device (weights included); returns the fraction used."""
     idx = device.index if device.index is not None else torch.cuda.current_device()  # 'cuda' has no index
@@ -206,14 +168,6 @@ def pcie_bytes(stats: dict) -> float:
 def _median_stats(steps: list[dict]) -> dict:
     keys = sorted({k for s in steps for k in s})
     return {k: float(statistics.median(s.get(k, 0) for s in steps)) for k in keys}
-
-
-def percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    i = (len(xs) - 1) * p / 100
-    lo = int(i)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
 def _sync(device: torch.device) -> None:
@@ -303,7 +257,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
 
 def decode_step(model, cache, use_graph: bool = True):
     """The engine's decode path: a CUDA graph where every layer's policy allows one, else the eager model."""
-    from engine.cuda_graph import GraphedDecoder
+    from tailorkv.engine.cuda_graph import GraphedDecoder
     if not (use_graph and model.output_weight.is_cuda and GraphedDecoder.supported(cache)):
         return model
     graphed = GraphedDecoder(model, cache)
@@ -403,42 +357,3 @@ def results(loaded, plan: BenchPlan, cells: list[dict], env: dict, command: str,
         "method_settings": {m: plan.settings_for(m).to_dict() for m in plan.methods},
         "cells": cells,
     }
-
-
-def write_atomic(path: str, write: Callable[[str], None]) -> None:
-    """write(tmp_path) then rename over path: readers never see half a file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_json(path: str, obj: dict) -> None:
-    def w(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, allow_nan=False, default=str)
-            f.write("\n")
-    write_atomic(path, w)
-
-
-def default_out_dir(model_name: str, root: str = "bench/results", marker: str = "bench.json") -> str:
-    """<root>/<date>-<model>/, with -2, -3, ... when that folder already holds a results file (marker)."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(model_name))).strip("-") or "model"
-    base = os.path.join(root, f"{datetime.date.today().isoformat()}-{stem}")
-    out, n = base, 1
-    while os.path.exists(os.path.join(out, marker)):
-        n += 1
-        out = f"{base}-{n}"
-    return out
-
-
-def command_line() -> str:
-    import shlex
-    return shlex.join(["tailorkv", *sys.argv[1:]]) if sys.argv else "tailorkv"

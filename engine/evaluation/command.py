@@ -1,5 +1,5 @@
 """`tailorkv eval` and `tailorkv eval-merge`: the click commands over engine.evaluation.driver (the work),
-fidelity (teacher-forced comparison with full) and report (tables, PNGs). cli.py calls register(main).
+fidelity (teacher-forced comparison with full) and report (tables, PNGs). ui.py calls register(main).
 
     tailorkv eval --model smollm2-135m --methods full,tailorkv,streamingllm,snapkv,quest \\
         --lengths 2k,4k,8k --samples 10 --budget-frac 0.03 --out eval/results/smollm2
@@ -21,7 +21,7 @@ SAVE_EVERY_S = 30.0  # partial eval.json rewrites during a run
 
 def default_out_dir(model_name: str, root: str = "eval/results") -> str:
     """eval/results/<date>-<model>/, with -2, -3, ... when that folder already holds an eval.json."""
-    from engine.bench import default_out_dir as numbered_dir
+    from tailorkv.engine.results import numbered_dir
     return numbered_dir(model_name, root, marker="eval.json")
 
 
@@ -34,7 +34,7 @@ def _console():
 
 
 def show(res: dict, con=None) -> None:
-    from engine.evaluation.report import fidelity_table, score_tables, title_line
+    from tailorkv.engine.evaluation.report import fidelity_table, score_tables, title_line
     con = con or _console()
     con.print(f"[bold]{escape(title_line(res))}[/]")
     for t in score_tables(res):
@@ -45,13 +45,13 @@ def show(res: dict, con=None) -> None:
 
 
 def register(main: click.Group) -> list[click.Command]:
-    import cli
-    from engine.evaluation.tasks import TASKS
-    from engine.settings import METHODS
+    from tailorkv.engine import ui
+    from tailorkv.engine.evaluation.tasks import TASKS
+    from tailorkv.engine.settings import METHODS
 
     @main.command("eval")
-    @cli.model_options
-    @cli.method_options
+    @ui.model_options
+    @ui.method_options
     @click.option("--methods", default=DEFAULT_METHODS, show_default=True,
                   help=f"comma-separated, from: {', '.join(METHODS)}")
     @click.option("--lengths", default="4k", show_default=True,
@@ -69,7 +69,7 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--shard", default=None, help="i/n: run only items with index % n == i (then eval-merge)")
     @click.option("--resume", is_flag=True, help="keep the finished items of an interrupted run in --out and do "
                                                   "the rest (same command otherwise)")
-    @cli.friendly
+    @ui.friendly
     def eval_cmd(model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
                  budget_frac, max_new_tokens, fidelity_tokens, out, shard, resume, **knobs):
         """Long-context accuracy of every method against the full cache (eval.json + tables + PNG)."""
@@ -83,7 +83,7 @@ def register(main: click.Group) -> list[click.Command]:
     @main.command("eval-merge")
     @click.argument("folder", type=click.Path(file_okay=False))
     @click.option("--out", type=click.Path(file_okay=False), default=None, help="where to write (default FOLDER)")
-    @cli.friendly
+    @ui.friendly
     def eval_merge(folder, out):
         """Merge the eval.shard-*-of-*.json files of FOLDER into eval.json + tables + PNG."""
         run_merge(folder, out)
@@ -97,28 +97,27 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
-    import cli
-    from engine import bench as B
-    from engine.bench import write_json
-    from engine.evaluation import driver as D
-    from engine.evaluation.report import write_outputs
-    from engine.methods import layer_policies
+    from tailorkv.engine import results as R, ui
+    from tailorkv.engine.bench.driver import model_info
+    from tailorkv.engine.evaluation import driver as D
+    from tailorkv.engine.evaluation.report import write_outputs
+    from tailorkv.engine.methods import layer_policies
 
     plan = D.EvalPlan(lengths=D.parse_lengths(lengths), methods=D.parse_methods(methods), tasks=D.parse_tasks(tasks),
-                      samples=samples, seed=seed, base=cli.settings_from(method="full", **knobs),
+                      samples=samples, seed=seed, base=ui.settings_from(method="full", **knobs),
                       budget_frac=budget_frac, max_new_tokens=max_new_tokens, fidelity_tokens=fidelity_tokens)
     plan.validate()
     shard_t = D.parse_shard(shard)
     if shard_t is not None and not out:
-        raise cli.UserError("--shard needs --out DIR: every shard of a run writes into the same folder")
+        raise ui.UserError("--shard needs --out DIR: every shard of a run writes into the same folder")
     if resume and not out:
-        raise cli.UserError("--resume needs --out DIR: the folder of the run to finish")
-    dev = cli.pick_device(device)
+        raise ui.UserError("--resume needs --out DIR: the folder of the run to finish")
+    dev = ui.pick_device(device)
     torch.manual_seed(seed)
-    loaded = cli.load_with_progress(model, weights, random_weights, dev, cli.pick_dtype(dtype, dev))
+    loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev))
     too_long = [n for n in plan.lengths if n > loaded.cfg.max_context]
     if too_long:
-        raise cli.UserError(f"--lengths {too_long[0]} is beyond what {loaded.name} supports "
+        raise ui.UserError(f"--lengths {too_long[0]} is beyond what {loaded.name} supports "
                             f"({loaded.cfg.max_context} tokens): lower --lengths")
     D.check_methods(loaded, plan)
 
@@ -131,14 +130,14 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
         suites = D.build_suites(loaded.tokenizer, plan)
     policies = {m: layer_policies(plan.settings(m, plan.lengths[0]), loaded.cfg.n_layers, loaded.family)
                 for m in plan.methods}
-    common = dict(command=B.command_line(), args=dict(params), env=B.environment(dev), model=B.model_info(loaded),
+    common = dict(command=R.command_line(), args=dict(params), env=R.environment(dev), model=model_info(loaded),
                   plan=plan, shard=shard_t, suites_hash=D.suite_hash(suites), layer_policies=policies)
     records: list[dict] = []
     if resume and os.path.exists(json_path):
         try:
             prev = D.read_json(json_path)
         except ValueError as e:
-            raise cli.UserError(f"{json_path} is not valid JSON ({e}): rerun without --resume") from None
+            raise ui.UserError(f"{json_path} is not valid JSON ({e}): rerun without --resume") from None
         records = D.resumable_records(prev, D.results(records=[], **common), json_path)
         done = {r["index"] for r in records}
         items = [it for it in items if it["index"] not in done]
@@ -147,28 +146,28 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
 
     def save(force: bool = False):  # partial results survive an interrupt; at most every SAVE_EVERY_S seconds
         if force or time.monotonic() - last_save[0] >= SAVE_EVERY_S:
-            write_json(json_path, D.results(records=records, **common))
+            R.write_json(json_path, D.results(records=records, **common))
             last_save[0] = time.monotonic()
 
     texts: dict = {}
     bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TimeRemainingColumn(), console=cli.err, transient=True)
+                   TimeElapsedColumn(), TimeRemainingColumn(), console=ui.err, transient=True)
     try:
         run_items(items, loaded, plan, suites, texts, records, bar, save)
     except KeyboardInterrupt:
         save(force=True)
-        raise cli.UserError(f"interrupted: {len(records)} items saved in {json_path}; run the same command "
+        raise ui.UserError(f"interrupted: {len(records)} items saved in {json_path}; run the same command "
                             f"with --resume to finish") from None
     res = D.results(records=records, **common)
     if shard_t is None:
         paths = write_outputs(res, out)
     else:
-        write_json(json_path, res)
+        R.write_json(json_path, res)
         paths = [json_path]
     show(res, con)
     for r in records:
         if r["status"] != "ok":
-            cli.err.print(f"[red]{D.length_label(r['length'])} {r['method']} {r.get('task', 'fidelity')}: "
+            ui.err.print(f"[red]{D.length_label(r['length'])} {r['method']} {r.get('task', 'fidelity')}: "
                           f"{r['status'].upper()}[/] {escape(r['error'] or '')}")
     ok = sum(r["status"] == "ok" for r in records)
     con.print(f"{ok}/{len(records)} items ok; results in {', '.join(paths)}"
@@ -177,7 +176,7 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
 
 def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
     """Runs the items in order under the progress bar, appending each record and saving as it goes."""
-    from engine.evaluation import driver as D
+    from tailorkv.engine.evaluation import driver as D
     with bar:
         task = bar.add_task("eval", total=len(items))
         for it in items:
@@ -192,25 +191,25 @@ def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
 
 
 def run_merge(folder: str, out: str | None) -> None:
-    import cli
-    from engine.evaluation import driver as D
-    from engine.evaluation.report import write_outputs
+    from tailorkv.engine import ui
+    from tailorkv.engine.evaluation import driver as D
+    from tailorkv.engine.evaluation.report import write_outputs
 
     if not os.path.isdir(folder):
-        raise cli.UserError(f"{folder}: no such folder")
+        raise ui.UserError(f"{folder}: no such folder")
     files = sorted(glob.glob(os.path.join(folder, "eval.shard-*-of-*.json")))
     if not files:
-        raise cli.UserError(f"{folder} holds no eval.shard-*-of-*.json files: run `tailorkv eval --shard i/n "
+        raise ui.UserError(f"{folder} holds no eval.shard-*-of-*.json files: run `tailorkv eval --shard i/n "
                             f"--out {folder}` first")
     shards = []
     for f in files:
         try:
             shards.append((os.path.basename(f), D.read_json(f)))
         except ValueError as e:
-            raise cli.UserError(f"{f} is not valid JSON ({e}): rerun that shard") from None
+            raise ui.UserError(f"{f} is not valid JSON ({e}): rerun that shard") from None
     res, warnings = D.merge_shards(shards)
     for w in warnings:
-        cli.err.print(f"[yellow]{escape(w)}[/]")
+        ui.err.print(f"[yellow]{escape(w)}[/]")
     paths = write_outputs(res, out or folder)
     con = _console()
     show(res, con)

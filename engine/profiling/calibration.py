@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from engine.cache import LayerCache, LayerSpec, ModelCache
-from ops.attention import causal_attention
+from tailorkv.engine.cache import LayerCache, LayerSpec, ModelCache
+from tailorkv.ops.attention import causal_attention
 
 DEFAULT_N_Q = 32
 DEFAULT_TOP = 0.05

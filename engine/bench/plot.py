@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from engine.bench import write_atomic  # noqa: E402
+from tailorkv.engine.results import write_atomic  # noqa: E402
 
 GIB = 1024 ** 3
 

@@ -1,5 +1,5 @@
-"""`tailorkv bench`: the click command over engine.bench (the sweep) and engine.bench_plot (the PNGs).
-cli.py calls register(main)."""
+"""`tailorkv bench`: the click command over engine.bench.driver (the sweep) and engine.bench.plot (the PNGs).
+ui.py calls register(main)."""
 from __future__ import annotations
 
 import os
@@ -8,17 +8,8 @@ import click
 from rich.markup import escape
 
 
-def _split(text: str) -> list[str]:
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if part and part not in out:
-            out.append(part)
-    return out
-
-
 def _gib(n) -> str:
-    from cli import fmt_bytes
+    from tailorkv.engine.ui import fmt_bytes
     return "-" if n is None else fmt_bytes(n)
 
 
@@ -32,7 +23,7 @@ def _table(title: str):
 
 
 def _row(cell: dict) -> list[str]:
-    from engine.bench_plot import ctx_label
+    from tailorkv.engine.bench.plot import ctx_label
     head = [cell["method"], ctx_label(cell["ctx"])]
     if cell["status"] == "oom":
         return head + ["", "[bold red]OOM[/]"] + [""] * 9
@@ -47,12 +38,12 @@ def _row(cell: dict) -> list[str]:
 
 
 def register(main: click.Group) -> click.Command:
-    import cli
-    from engine.settings import METHODS
+    from tailorkv.engine import ui
+    from tailorkv.engine.settings import METHODS
 
     @main.command()
-    @cli.model_options
-    @cli.method_options
+    @ui.model_options
+    @ui.method_options
     @click.option("--ctx", "ctxs", default="8k,32k", show_default=True, help="context lengths, e.g. 8k,32k,128k")
     @click.option("--methods", default="full,tailorkv", show_default=True,
                   help=f"comma-separated, from: {', '.join(METHODS)}")
@@ -66,7 +57,7 @@ def register(main: click.Group) -> click.Command:
                   help="results folder (default bench/results/<date>-<model>/)")
     @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random prompts")
     @click.option("--no-cuda-graph", is_flag=True, help="decode eagerly even where a CUDA graph is possible")
-    @cli.friendly
+    @ui.friendly
     def bench(model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
               gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, no_cuda_graph, **knobs):
         """Latency and memory sweep over methods x context lengths (bench.json + PNG plots)."""
@@ -86,47 +77,47 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     from rich.live import Live
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    import cli
-    from engine import bench as B
-    from engine.bench_plot import plot_all
-    from engine.settings import METHODS
+    from tailorkv.engine import results as R, ui
+    from tailorkv.engine.bench import driver as B
+    from tailorkv.engine.bench.plot import plot_all
+    from tailorkv.engine.settings import METHODS
 
     if hbm_gbps <= 0 or pcie_gbps <= 0:
-        raise cli.UserError("--hbm-gbps and --pcie-gbps must be positive")
-    names = _split(methods)
+        raise ui.UserError("--hbm-gbps and --pcie-gbps must be positive")
+    names = ui.split_list(methods)
     bad = [m for m in names if m not in METHODS]
     if bad:
-        raise cli.UserError(f"unknown method '{bad[0]}' in --methods: choose from {', '.join(METHODS)}")
-    settings = {m: cli.settings_from(method=m, **knobs) for m in names}
-    plan = B.BenchPlan(ctxs=[cli.parse_ctx(c) for c in _split(ctxs)], methods=names, settings=settings,
+        raise ui.UserError(f"unknown method '{bad[0]}' in --methods: choose from {', '.join(METHODS)}")
+    settings = {m: ui.settings_from(method=m, **knobs) for m in names}
+    plan = B.BenchPlan(ctxs=[ui.parse_ctx(c) for c in ui.split_list(ctxs)], methods=names, settings=settings,
                        decode_steps=decode_steps, warmup=warmup, batch=batch, seed=seed,
                        hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph)
     plan.validate()
-    dev = cli.pick_device(device)
+    dev = ui.pick_device(device)
     limit = None
     if gpu_mem_limit:
         limit = B.parse_bytes(gpu_mem_limit)
         if dev.type == "cuda":
             frac = B.set_memory_limit(limit, dev)
-            cli.err.print(f"[dim]device memory capped at {cli.fmt_bytes(limit)} ({100 * frac:.1f}% of the GPU), "
+            ui.err.print(f"[dim]device memory capped at {ui.fmt_bytes(limit)} ({100 * frac:.1f}% of the GPU), "
                           f"weights included[/]")
         else:
-            cli.err.print("[yellow]--gpu-mem-limit ignored: not running on a GPU[/]")
+            ui.err.print("[yellow]--gpu-mem-limit ignored: not running on a GPU[/]")
             limit = None
     hbm_measured = B.measure_hbm_gbps(dev)
     torch.manual_seed(seed)
-    loaded = cli.load_with_progress(model, weights, random_weights, dev, cli.pick_dtype(dtype, dev))
+    loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev))
     plan.validate(loaded.cfg.max_context)
 
-    out = out or B.default_out_dir(loaded.name if not os.path.exists(model) else model)
+    out = out or R.numbered_dir(loaded.name if not os.path.exists(model) else model, "bench/results", "bench.json")
     json_path = os.path.join(out, "bench.json")
-    env = B.environment(dev)
-    command = B.command_line()
+    env = R.environment(dev)
+    command = R.command_line()
     args = {k: v for k, v in params.items()}
     cells: list[dict] = []
 
     def save():
-        B.write_json(json_path, B.results(loaded, plan, cells, env, command, args, hbm_measured, limit))
+        R.write_json(json_path, B.results(loaded, plan, cells, env, command, args, hbm_measured, limit))
 
     con = Console(highlight=False)
     if not con.is_terminal:  # a log file: room for every column
@@ -160,6 +151,6 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     pngs = plot_all(B.results(loaded, plan, cells, env, command, args, hbm_measured, limit), out)
     for c in cells:
         if c["status"] != "ok":
-            cli.err.print(f"[red]{c['method']} @ {c['ctx']}: {c['status'].upper()}[/] {escape(c['error'])}")
+            ui.err.print(f"[red]{c['method']} @ {c['ctx']}: {c['status'].upper()}[/] {escape(c['error'])}")
     ok = sum(c["status"] == "ok" for c in cells)
     con.print(f"{ok}/{len(cells)} cells ok; results in {json_path}, plots {', '.join(pngs)}")

@@ -1,0 +1,119 @@
+"""Results files that every tool writes (bench.json, eval.json, profiles): atomic writes, numbered folders,
+the environment block (command, commit, GPU, driver, date) and the small statistics the reports share."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from typing import Callable
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_files_atomically(files: list[tuple[str, Callable[[str], None]]]) -> None:
+    """Write every (path, writer(tmp_path)) to a temp file beside its target, then rename them all into place:
+    readers never see half a file and a failure leaves no partial file behind."""
+    temps: list[tuple[str, str]] = []
+    try:
+        for path, writer in files:
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+            os.close(fd)
+            temps.append((tmp, path))
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600 files; give the usual permissions
+            writer(tmp)
+        for tmp, path in temps:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in temps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def write_atomic(path: str, writer: Callable[[str], None]) -> None:
+    write_files_atomically([(path, writer)])
+
+
+def json_writer(obj: dict) -> Callable[[str], None]:
+    def w(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, allow_nan=False, default=str)
+            f.write("\n")
+    return w
+
+
+def write_json(path: str, obj: dict) -> None:
+    write_atomic(path, json_writer(obj))
+
+
+def numbered_dir(model_name: str, root: str, marker: str) -> str:
+    """<root>/<date>-<model>/, with -2, -3, ... when that folder already holds a results file (marker)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(model_name))).strip("-") or "model"
+    base = os.path.join(root, f"{datetime.date.today().isoformat()}-{stem}")
+    out, n = base, 1
+    while os.path.exists(os.path.join(out, marker)):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
+def command_line() -> str:
+    return shlex.join(["tailorkv", *sys.argv[1:]]) if sys.argv else "tailorkv"
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=REPO)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    """TAILORKV_COMMIT names the commit of a copy of the tree whose .git is missing or stale (a lent GPU
+    machine); else the checkout's HEAD."""
+    return os.environ.get("TAILORKV_COMMIT") or _run(["git", "rev-parse", "HEAD"])
+
+
+def environment(device: torch.device) -> dict:
+    from tailorkv import __version__
+    cuda = device.type == "cuda"
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    env = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "git_commit": git_commit() or "unknown",
+        "git_dirty": None if status is None else bool(status),
+        "tailorkv": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+        "driver": None,
+    }
+    if cuda:
+        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        env["driver"] = smi.splitlines()[0].strip() if smi else None
+    return env
+
+
+def percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    i = (len(xs) - 1) * p / 100
+    lo = int(i)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
