@@ -1,16 +1,23 @@
 """The one cache interface. The model hands each layer's (q, k, v) to `ModelCache.attend` and gets the
 attention output back; it knows nothing about which policy holds the tokens.
 
-Shapes: q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE already applied, T new tokens at positions
-start_pos .. start_pos + T - 1. The output is [B, Hq, T, D]: causal attention of the new queries over every
-token the layer holds (the new ones included), as the policy sees them.
+Shapes: q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE already applied, T = step.n new tokens at positions
+step.start .. step.end - 1. The output is [B, Hq, T, D]: causal attention of the new queries over every token
+the layer holds (the new ones included), as the policy sees them.
+
+One forward = `begin` (the cache makes the Step and calls every policy's `plan` on the host), the model's
+layers (each calls `attend` -> the policy's `run`, device work only), `finish` (every policy's `commit` on the
+host, then the length advances). The cache owns the length; policies read the step and never write it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
+
+from tailorkv.engine.scheduler import Scheduler
+from tailorkv.engine.step import Step, bucket_for
 
 
 @dataclass
@@ -37,39 +44,52 @@ class ContextFull(RuntimeError):
 
 
 class LayerCache:
-    """One layer's KV cache policy. Subclasses implement `attend`, `reset` and the byte counts."""
+    """One layer's KV cache policy.
+
+    - `plan(step)`: host work before the step (regions, buckets, flush decisions, device scalars the step
+      reads). Returns what fixes the static shapes of `run` for a decode step (part of the graph key), and
+      sets `self.last`, the step's counters (computed here, on the host, so they stay right under replay).
+    - `run(q, k, v, step)`: the attention. For a decode step: device work only, static shapes for the plan,
+      no host reads or syncs, and idempotent (running it twice for one step gives the same state: graph capture
+      runs it as warm-up). A multi-token step runs eagerly and may store as it goes.
+    - `commit(step)`: host work after the step (moving tokens between regions, flushes, host writes).
+    """
 
     name = "base"
-    wants_query_prediction = False  # True: ModelCache feeds predict_query() from the previous layer
+    wants_query_prediction = False  # True: the cache feeds predict_query() from the previous layer
+    graph_safe = False              # True: a decode step's run() may be captured in a CUDA graph
+    selects_tokens = False          # True: attends to a subset of the held tokens (its tokens_attended says how many)
 
     def __init__(self, spec: LayerSpec):
         self.spec = spec
-        self.length = 0  # tokens held (prompt + generated), i.e. the next position
+        self.scheduler: Scheduler | None = None  # set by ModelCache
+        self.last: dict = {}
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def plan(self, step: Step) -> Hashable:
+        return None
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         raise NotImplementedError
 
-    def admit(self, start_pos: int, n: int) -> int:
-        """Checks that n new tokens at start_pos can be taken; going back first cuts the cache to start_pos.
-        Returns the end position."""
-        if start_pos > self.length:
-            raise RuntimeError(f"{self.name} cache holds {self.length} tokens but got new ones at {start_pos}")
-        if start_pos < self.length:
-            self.truncate(start_pos)
-        end = start_pos + n
-        if end > self.spec.max_len:
-            raise ContextFull(end, self.spec.max_len)
-        return end
+    def commit(self, step: Step) -> None:
+        pass
+
+    def abort(self, step: Step) -> None:
+        """The step was interrupted after plan (maybe inside run): bring the layer back to the state before
+        it, or raise RuntimeError when it cannot (the caller then rebuilds the cache from the token ids).
+        A decode step has stored nothing before commit, so there is nothing to undo."""
+        if not step.decode:
+            raise RuntimeError(f"{self.name} cache cannot undo an interrupted multi-token step")
 
     def truncate(self, length: int) -> None:
-        if length != self.length:
-            raise RuntimeError(f"{self.name} cache cannot be truncated")
+        """Forget the tokens from position `length` on, or raise RuntimeError when the policy cannot."""
+        raise RuntimeError(f"{self.name} cache cannot be truncated")
 
     def predict_query(self, q_hat: torch.Tensor) -> None:
-        """Receives this layer's query predicted one layer early ([B, Hq, 1, D]), before attend()."""
+        """Receives this layer's query predicted one layer early ([B, Hq, 1, D]), before run()."""
 
     def reset(self) -> None:
-        self.length = 0
+        self.last = {}
 
     def device_bytes(self) -> int:
         return 0
@@ -78,58 +98,100 @@ class LayerCache:
         return 0
 
     def stats(self) -> dict:
-        """Per-policy counters (e.g. tokens fetched, bytes moved over PCIe in the last step)."""
-        return {}
+        """The last step's counters (tokens_attended, tokens_fetched, bytes moved over PCIe, ...)."""
+        return dict(self.last)
 
 
-QueryFn = Callable[[int, torch.Tensor, int], torch.Tensor]  # (layer_idx, normed x, start_pos) -> roped q
+QueryFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]  # (layer, normed x, positions) -> roped q
 
 
 class ModelCache:
-    """All layers' caches plus the look-ahead hook. Built by engine.methods.build_cache."""
+    """All layers' policies, the length they hold, the scheduler and the look-ahead hook. Built by
+    engine.methods.build_cache."""
 
-    def __init__(self, layers: list[LayerCache], query_fn: QueryFn | None = None, method: str = "full"):
+    def __init__(self, layers: list[LayerCache], query_fn: QueryFn | None = None, method: str = "full",
+                 scheduler: Scheduler | None = None):
         self.layers = layers
         self.query_fn = query_fn
         self.method = method
-        self.on_layer = None  # optional progress callback (layer_idx, n_layers) during prefill
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
+        self.length = 0
+        self.intact = True  # False after a step that a policy could not undo (see abort)
+        self.scheduler = scheduler or Scheduler(layers[0].spec.device if layers else "cpu")
+        for layer in layers:
+            layer.scheduler = self.scheduler
+        self.on_layer = None  # optional progress callback (layer_idx, n_layers) during multi-token steps
 
     @property
     def max_len(self) -> int:
         return self.layers[0].spec.max_len
 
-    def layer_input(self, i: int, x: torch.Tensor, start_pos: int) -> None:
+    @property
+    def graph_safe(self) -> bool:
+        return all(layer.graph_safe for layer in self.layers)
+
+    # --- one forward -----------------------------------------------------------------------------------
+    def begin(self, n: int, positions: torch.Tensor | None = None) -> Step:
+        """The step of n new tokens after what the cache holds; every policy plans it. positions: a device
+        buffer the caller already filled with length .. length + n - 1 (a CUDA graph's static input)."""
+        start, end = self.length, self.length + n
+        if end > self.max_len:
+            raise ContextFull(end, self.max_len)
+        device = self.layers[0].spec.device
+        if positions is None:
+            positions = torch.arange(start, end, device=device)
+        bucket = bucket_for(end, self.max_len) if n == 1 else end
+        step = Step(start, n, positions, bucket)
+        key = (bucket, tuple(layer.plan(step) for layer in self.layers))
+        return Step(start, n, positions, bucket, key)
+
+    def layer_input(self, i: int, x: torch.Tensor, step: Step) -> None:
         """Called by the model with layer i's normalized input, before its attention. During decode it lets
         layer i+1 predict its query from this input (TailorKV's one-layer-early prediction)."""
-        if self.on_layer is not None and x.shape[1] > 1:
+        if self.on_layer is not None and not step.decode:
             self.on_layer(i, len(self.layers))
         nxt = i + 1
-        if x.shape[1] == 1 and nxt < len(self.layers) and self.layers[nxt].wants_query_prediction:
-            self.layers[nxt].predict_query(self.query_fn(nxt, x, start_pos))
+        if step.decode and nxt < len(self.layers) and self.layers[nxt].wants_query_prediction:
+            self.layers[nxt].predict_query(self.query_fn(nxt, x, step.positions))
 
-    def attend(self, i: int, q, k, v, start_pos: int):
-        return self.layers[i].attend(q, k, v, start_pos)
+    def attend(self, i: int, q, k, v, step: Step):
+        return self.layers[i].run(q, k, v, step)
 
+    def finish(self, step: Step) -> None:
+        for layer in self.layers:
+            layer.commit(step)
+        self.length = step.end
+
+    def abort(self, step: Step) -> None:
+        """Undo an interrupted step. Where a policy cannot, `intact` turns False: rebuild from the token ids."""
+        for layer in self.layers:
+            try:
+                layer.abort(step)
+            except RuntimeError:
+                self.intact = False
+
+    # --- whole-cache operations -------------------------------------------------------------------------
     def reset(self) -> None:
+        self.length = 0
+        self.intact = True
         for layer in self.layers:
             layer.reset()
 
     def truncate(self, length: int) -> None:
-        """Forget tokens from `length` on (only supported where a policy can; used after an interrupted turn)."""
+        """Forget tokens from `length` on (only where every policy can; used after an interrupted turn)."""
+        if length >= self.length:
+            return
         for layer in self.layers:
             layer.truncate(length)
+        self.length = length
 
     def device_bytes(self) -> int:
-        return sum(layer.device_bytes() for layer in self.layers)
+        return sum(layer.device_bytes() for layer in self.layers) + self.scheduler.device_bytes()
 
     def host_bytes(self) -> int:
         return sum(layer.host_bytes() for layer in self.layers)
 
     def stats(self) -> dict:
+        """The last step's counters, summed over layers."""
         out: dict = {}
         for layer in self.layers:
             for key, val in layer.stats().items():

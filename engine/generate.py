@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from tailorkv.engine.cache import ModelCache
+from tailorkv.engine.runner import Runner
 from tailorkv.engine.sampling import Sampler, SamplingParams
 
 
@@ -37,20 +38,8 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-RELEASE_AFTER = 1024  # prompt tokens from which a prefill's cached allocator blocks go back to the driver
-
-
-def release_prefill_blocks(device, n_tokens: int) -> None:
-    """After a long prefill, return the allocator's cached blocks (the prefill's temporaries) to the driver.
-    Decode needs far less, and near a memory cap it ran much slower with them kept: Llama-3.1-8B, tailorkv at
-    128k under a 24 GiB cap, 162 -> 61 ms/token on the H200 (which allocator path costs the time: not pinned
-    down; no allocation retries were counted)."""
-    if n_tokens >= RELEASE_AFTER and torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
 class Engine:
-    """Holds one model, one cache and the token ids the cache holds (`tokens`)."""
+    """One model, one cache, its runner, and the token ids the cache holds (`tokens`)."""
 
     def __init__(self, loaded, cache: ModelCache, sampling: SamplingParams | None = None,
                  use_cuda_graph: bool = True):
@@ -58,16 +47,12 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.cache = cache
-        self.device = self.model.output_weight.device
+        self.runner = Runner(self.model, cache, use_cuda_graph)
+        self.device = self.runner.device
         self.sampling = sampling or SamplingParams()
         self.sampler = Sampler(self.sampling, self.device)
         self.tokens: list[int] = []
         self.eos_ids = set(loaded.cfg.eos_ids) | set(getattr(self.tokenizer, "eos_ids", []) or [])
-        self.graphed = None
-        if use_cuda_graph and self.device.type == "cuda":
-            from tailorkv.engine.cuda_graph import GraphedDecoder
-            if GraphedDecoder.supported(cache):
-                self.graphed = GraphedDecoder(self.model, cache)
 
     @property
     def max_len(self) -> int:
@@ -88,18 +73,19 @@ class Engine:
         """Feed ids after what the cache holds; returns logits of the last (or every) position."""
         self.check_fits(len(ids))
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        if self.graphed is not None and len(ids) == 1 and not all_logits and self.tokens:
-            logits = self.graphed.step(x, len(self.tokens))
+        if len(ids) == 1 and not all_logits:
+            logits = self.runner.decode(x)
         else:
-            logits = self.model(x, len(self.tokens), self.cache, all_logits=all_logits)
-            release_prefill_blocks(self.device, len(ids))
+            logits = self.runner.prefill(x, all_logits=all_logits)
         self.tokens.extend(ids)
         return logits
 
     def recover(self) -> None:
-        """After an interrupt inside a forward pass some layers may hold one step more than `tokens`:
-        cut them back, or rebuild the cache from the token ids if the policy cannot cut."""
+        """After an interrupt the cache may hold a different number of tokens than `tokens` (or a step was
+        cut short inside a policy that cannot undo it): cut it back, or rebuild it from the token ids."""
         try:
+            if not self.cache.intact:
+                raise RuntimeError("rebuild")
             self.cache.truncate(len(self.tokens))
         except RuntimeError:
             ids, self.tokens = self.tokens, []

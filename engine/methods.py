@@ -70,5 +70,5 @@ def build_cache(loaded, settings: MethodSettings, max_len: int, batch: int = 1,
     for i, name in enumerate(names):
         spec = LayerSpec(i, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, max_len, batch, dtype, torch.device(device))
         cls = policy_class(name)
-        layers.append(cls(spec) if name == "full" else cls(spec, settings))
+        layers.append(cls(spec, settings))
     return ModelCache(layers, query_fn=model.project_query, method=settings.method)

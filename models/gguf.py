@@ -183,4 +183,5 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32,
 
 
 def gguf_tokenizer(path: str) -> Tokenizer:
-    return Tokenizer.from_gguf(path)
+    reader = open_gguf(path)
+    return Tokenizer.from_gguf_metadata(lambda key, default=None: metadata(reader, key, default), path)

@@ -37,9 +37,9 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, n, self.hd).transpose(1, 2)
 
-    def forward(self, x, start_pos, rope: Rope, attend):
-        q = rope(self.heads(self.q_proj(x), self.n_heads), start_pos)
-        k = rope(self.heads(self.k_proj(x), self.n_kv), start_pos)
+    def forward(self, x, positions, rope: Rope, attend):
+        q = rope(self.heads(self.q_proj(x), self.n_heads), positions)
+        k = rope(self.heads(self.k_proj(x), self.n_kv), positions)
         v = self.heads(self.v_proj(x), self.n_kv)
         o = attend(q, k, v)
         del q, k, v  # long prompts: free them before the output projection
@@ -66,10 +66,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, i, start_pos, rope, cache):
+    def forward(self, h, i, step, rope, cache):
         x = self.input_layernorm(h)
-        cache.layer_input(i, x, start_pos)
-        attn = self.self_attn(x, start_pos, rope, lambda q, k, v: cache.attend(i, q, k, v, start_pos))
+        cache.layer_input(i, x, step)
+        attn = self.self_attn(x, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
         del x
         h = h + attn if h.shape[1] <= MLP_CHUNK else h.add_(attn)  # long prompts: in place, h is ours
         del attn
@@ -102,17 +102,18 @@ class Llama(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, cache, all_logits: bool = False) -> torch.Tensor:
-        """tokens [B, T] at positions start_pos..; returns logits [B, T, V] (all_logits) or [B, V] (last)."""
+    def forward(self, tokens: torch.Tensor, step, cache, all_logits: bool = False) -> torch.Tensor:
+        """tokens [B, T] of `step` (engine.step.Step: its positions, made by `cache.begin`); returns logits
+        [B, T, V] (all_logits) or [B, V] (last)."""
         h = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, i, start_pos, self.rope, cache)
+            h = layer(h, i, step, self.rope, cache)
         if not all_logits:
             h = h[:, -1:]
         logits = F.linear(self.model.norm(h), self.output_weight).float()
         return logits if all_logits else logits[:, -1]
 
-    def project_query(self, layer_idx: int, x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Layer layer_idx's roped query for normalized input x [B, T, dim] -> [B, Hq, T, D]."""
+    def project_query(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Layer layer_idx's roped query for normalized input x [B, T, dim] at `positions` -> [B, Hq, T, D]."""
         attn = self.model.layers[layer_idx].self_attn
-        return self.rope(attn.heads(attn.q_proj(x), attn.n_heads), start_pos)
+        return self.rope(attn.heads(attn.q_proj(x), attn.n_heads), positions)

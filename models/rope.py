@@ -28,7 +28,7 @@ ROPE_CHUNK = 8192
 
 
 class Rope(torch.nn.Module):
-    """cos/sin tables are built lazily up to the longest position seen, in fp32."""
+    """cos/sin tables in fp32, built by `tables(end)` for positions [0, end) before a forward uses them."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -36,24 +36,20 @@ class Rope(torch.nn.Module):
         self._cos = self._sin = None
 
     def tables(self, end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Build the tables for positions [0, end) (at least) on `device`."""
         if self._cos is None or self._cos.shape[0] < end or self._cos.device != torch.device(device):
-            n = max(end, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
+            n = max(end, 256)
             t = torch.arange(n, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device))
             emb = torch.cat([freqs, freqs], dim=-1)
             self._cos, self._sin = emb.cos(), emb.sin()
         return self._cos, self._sin
 
-    def forward(self, x: torch.Tensor, start_pos) -> torch.Tensor:
-        """x [B, H, T, D] at positions start_pos..start_pos+T-1. start_pos is an int, or a 0-dim device
-        tensor inside a CUDA graph (the tables must then be built beforehand with tables(max_len))."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, D] at the T positions of the int64 device tensor `positions`. The tables must reach
+        the largest position (the runner builds them to the cache's max_len)."""
         t = x.shape[2]
-        if isinstance(start_pos, torch.Tensor):
-            pos = start_pos + torch.arange(t, device=x.device)
-            cos, sin = self._cos.index_select(0, pos), self._sin.index_select(0, pos)
-        else:
-            cos, sin = self.tables(start_pos + t, x.device)
-            cos, sin = cos[start_pos:start_pos + t], sin[start_pos:start_pos + t]
+        cos, sin = self._cos.index_select(0, positions), self._sin.index_select(0, positions)
         # in the activation dtype, as HF does; long prompts in chunks to bound the temporaries
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         half = x.shape[-1] // 2

@@ -80,12 +80,10 @@ class Tokenizer:
     # constructors
 
     @classmethod
-    def from_gguf(cls, path: str) -> "Tokenizer":
-        from tailorkv.models.gguf import metadata, open_gguf
-        reader = open_gguf(path)
-
+    def from_gguf_metadata(cls, metadata: Callable, path: str) -> "Tokenizer":
+        """metadata(key, default) reads a GGUF file's metadata (models.gguf.gguf_tokenizer passes it)."""
         def m(key, default=None):
-            return metadata(reader, "tokenizer.ggml." + key, default)
+            return metadata("tokenizer.ggml." + key, default)
 
         kind, tokens, types = m("model"), m("tokens"), m("token_type")
         if not tokens:
@@ -106,7 +104,7 @@ class Tokenizer:
                             for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
         return cls(backend, bos_id=m("bos_token_id"),
                    eos_ids=end_of_turn_ids(m("eos_token_id"), backend.token_to_id),
-                   chat_template=metadata(reader, "tokenizer.chat_template"),
+                   chat_template=metadata("tokenizer.chat_template"),
                    add_bos=bool(m("add_bos_token", kind == "llama")))
 
     @classmethod

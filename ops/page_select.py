@@ -15,6 +15,8 @@ stays an upper bound of every group head's q . k in the page).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tailorkv.ops.dispatch import op
@@ -39,6 +41,18 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
     return page_bounds(q, kmin, kmax).reshape(B, H, Hq // H, P).amax(2)
 
 
+def pages_selected(length: int, page: int, budget: int) -> tuple[int, int]:
+    """(whole top pages chosen besides the last one, tokens of the last page) for select_pages."""
+    last = math.ceil(length / page) - 1
+    last_count = length - last * page
+    return max(0, min(last, (budget - last_count) // page)), last_count
+
+
+def tokens_selected(length: int, page: int, budget: int) -> int:
+    n_top, last_count = pages_selected(length, page, budget)
+    return n_top * page + last_count
+
+
 def select_pages(scores: torch.Tensor, length: int, page: int, budget: int) -> torch.Tensor:
     """Token indices to attend for each (batch, KV head): the last (possibly partial) page always, plus the
     highest-scoring other pages, as many whole pages as fit so that the total stays <= budget.
@@ -47,8 +61,7 @@ def select_pages(scores: torch.Tensor, length: int, page: int, budget: int) -> t
     n = n_top * page + (length - (P - 1) * page)."""
     B, H, P = scores.shape
     last = P - 1
-    last_count = length - last * page
-    n_top = max(0, min(last, (budget - last_count) // page))
+    n_top, last_count = pages_selected(length, page, budget)
     top = scores[..., :last].topk(n_top, dim=-1).indices.sort(-1).values            # [B, H, n_top]
     offs = torch.arange(page, device=scores.device)
     idx_top = (top.unsqueeze(-1) * page + offs).reshape(B, H, n_top * page)

@@ -95,8 +95,47 @@ def prefill_then_decode(loaded, ids, n_prompt):
     then one cached decode step per token."""
     from tailorkv.engine.methods import build_cache
     from tailorkv.engine.settings import MethodSettings
-    cache = build_cache(loaded, MethodSettings("full"), max_len=ids.shape[1])
-    got = [loaded.model(ids[:, :n_prompt], 0, cache, all_logits=True)[0]]
+    from tailorkv.engine.runner import Runner
+    runner = Runner(loaded.model, build_cache(loaded, MethodSettings("full"), max_len=ids.shape[1]))
+    got = [runner.prefill(ids[:, :n_prompt], all_logits=True)[0]]
     for t in range(n_prompt, ids.shape[1]):
-        got.append(loaded.model(ids[:, t:t + 1], t, cache))
+        got.append(runner.decode(ids[:, t:t + 1]).clone())
     return torch.cat(got)
+
+
+class One:
+    """One cache policy driven the way the model cache drives it (plan, run, commit around each call), with
+    the old single-layer surface: attend(q, k, v, start) goes back to `start` first when it is behind."""
+
+    def __init__(self, policy):
+        from tailorkv.engine.cache import ModelCache
+        self.policy = policy
+        self.mc = ModelCache([policy])
+
+    def attend(self, q, k, v, start):
+        if start < self.mc.length:
+            self.mc.truncate(start)
+        assert start == self.mc.length, (start, self.mc.length)
+        step = self.mc.begin(k.shape[2])
+        out = self.mc.attend(0, q, k, v, step)
+        self.mc.finish(step)
+        return out
+
+    @property
+    def length(self):
+        return self.mc.length
+
+    def truncate(self, length):
+        self.mc.truncate(length)
+
+    def reset(self):
+        self.mc.reset()
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def __setattr__(self, name, value):
+        if name in ("policy", "mc"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.policy, name, value)

@@ -22,7 +22,7 @@ from tailorkv.engine.policies.streaming import StreamingCache
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.ops.attention import attention_with_mask, causal_attention
 from tailorkv.ops.page_select import page_bounds, page_scores, select_pages
-from helpers import rel_err
+from helpers import One, rel_err
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_baselines seed: TAILORKV_SEED={SEED}")
@@ -67,7 +67,7 @@ def decode_steps(start, n):
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_equals_full_when_budget_covers(gen, name, hq, hkv):
     spec = make_spec(hq, hkv)
-    cache, full = POLICIES[name](spec, settings(budget=spec.max_len)), FullCache(spec)
+    cache, full = One(POLICIES[name](spec, settings(budget=spec.max_len))), One(FullCache(spec))
     Q, K, V = make_qkv(gen, spec.batch, hq, hkv, spec.max_len)
     # prefill, 20 decode steps, a second turn (multi-token attend after existing tokens), 10 more steps
     chunks = [(0, 50)] + decode_steps(50, 20) + [(70, 95)] + decode_steps(95, 10)
@@ -87,7 +87,7 @@ def test_equals_full_when_budget_covers(gen, name, hq, hkv):
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_truncate_then_continue_equals_full_when_covered(gen, name):
     spec = make_spec(8, 2)
-    cache, full = POLICIES[name](spec, settings(budget=spec.max_len)), FullCache(spec)
+    cache, full = One(POLICIES[name](spec, settings(budget=spec.max_len))), One(FullCache(spec))
     Q, K, V = make_qkv(gen, spec.batch, 8, 2, spec.max_len)
     list(feed([cache, full], Q, K, V, [(0, 40)] + decode_steps(40, 6)))
     cache.truncate(43), full.truncate(43)
@@ -100,17 +100,17 @@ def test_truncate_then_continue_equals_full_when_covered(gen, name):
 def test_bad_settings_are_rejected():
     spec = make_spec(4, 4)
     with pytest.raises(ValueError):
-        StreamingCache(spec, settings(budget=4, sink=4))
+        One(StreamingCache(spec, settings(budget=4, sink=4)))
     with pytest.raises(ValueError):
-        SnapKVCache(spec, settings(budget=8, snap_window=8))
+        One(SnapKVCache(spec, settings(budget=8, snap_window=8)))
     with pytest.raises(ValueError):
-        QuestCache(spec, settings(budget=8, page=16))
+        One(QuestCache(spec, settings(budget=8, page=16)))
 
 
 # --- offload -----------------------------------------------------------------------------------------------
 def test_offload_equals_full_and_reports_copies(gen):
     spec = make_spec(9, 3)
-    cache, full = OffloadCache(spec, settings(budget=16)), FullCache(spec)  # the budget does not apply
+    cache, full = One(OffloadCache(spec, settings(budget=16))), One(FullCache(spec))  # the budget does not apply
     Q, K, V = make_qkv(gen, spec.batch, 9, 3, spec.max_len)
     per_token = 2 * spec.batch * 3 * D * 4
     chunks = [(0, 60)] + decode_steps(60, 30) + [(90, 100)] + decode_steps(100, 3)
@@ -162,7 +162,7 @@ def stream_expected(ref, Q, K, V, s, e):
 def test_streaming_keeps_sinks_and_window(gen, hq, hkv):
     sink, budget = 4, 24
     spec = make_spec(hq, hkv, max_len=160)
-    cache = StreamingCache(spec, settings(budget=budget, sink=sink))
+    cache = One(StreamingCache(spec, settings(budget=budget, sink=sink)))
     ref = StreamRef(sink, budget - sink)
     Q, K, V = make_qkv(gen, spec.batch, hq, hkv, spec.max_len)
     chunks = [(0, 50)] + decode_steps(50, 45) + [(95, 112)] + decode_steps(112, 10)
@@ -194,7 +194,7 @@ def test_streaming_ignores_a_strong_key_in_the_middle(gen):
     V2[:, :, 30] = 10.0
     outs = {}
     for name, (k, v) in {"plain": (K, V), "planted": (K2, V2)}.items():
-        full, stream = FullCache(spec), StreamingCache(spec, settings(budget=24, sink=4))
+        full, stream = One(FullCache(spec)), One(StreamingCache(spec, settings(budget=24, sink=4)))
         for o in feed([full, stream], Q, k, v, [(0, 60), (60, 61)]):
             outs[name] = o
     assert rel_err(outs["planted"][0], outs["plain"][0]) > 0.1   # full sees the answer-bearing key
@@ -239,8 +239,8 @@ def test_snapkv_keeps_attended_token_and_drops_ignored_one(gen, hq, hkv):
     P, budget, w = 64, 24, 8
     Q, K, V = planted_prompt(gen, hq, hkv, P, w, strong=20, weak=40)
     spec = make_spec(hq, hkv, max_len=80)
-    cache = SnapKVCache(spec, settings(budget=budget, snap_window=w, snap_pool=1))
-    full = FullCache(spec)
+    cache = One(SnapKVCache(spec, settings(budget=budget, snap_window=w, snap_pool=1)))
+    full = One(FullCache(spec))
     out, ref = next(feed([cache, full], Q, K, V, [(0, P)]))
     assert rel_err(out, ref) < 1e-5  # prefill is exact
     _, _, pos = cache.held()
@@ -265,7 +265,7 @@ def test_snapkv_keeps_attended_token_and_drops_ignored_one(gen, hq, hkv):
 def test_snapkv_pooling_keeps_neighbours(gen):
     P, budget, w = 64, 24, 8
     Q, K, V = planted_prompt(gen, 8, 2, P, w, strong=20, weak=40)
-    cache = SnapKVCache(make_spec(8, 2, max_len=80), settings(budget=budget, snap_window=w, snap_pool=5))
+    cache = One(SnapKVCache(make_spec(8, 2, max_len=80), settings(budget=budget, snap_window=w, snap_pool=5)))
     cache.attend(Q[:, :, :P], K[:, :, :P], V[:, :, :P], 0)
     for row in cache.held()[2].reshape(-1, budget):
         assert set(range(18, 23)) <= set(row.tolist())
@@ -274,7 +274,7 @@ def test_snapkv_pooling_keeps_neighbours(gen):
 def test_snapkv_second_turn_compresses_again(gen):
     spec = make_spec(9, 3, max_len=128)
     budget, w = 32, 8
-    cache = SnapKVCache(spec, settings(budget=budget, snap_window=w))
+    cache = One(SnapKVCache(spec, settings(budget=budget, snap_window=w)))
     Q, K, V = make_qkv(gen, spec.batch, 9, 3, spec.max_len)
     list(feed([cache], Q, K, V, [(0, 20)] + decode_steps(20, 5)))
     assert cache.n == 25 and cache.base == 0                   # within the budget: all kept
@@ -308,7 +308,7 @@ def true_page_max(q, k, length, page):
 def test_quest_page_bounds_are_upper_bounds(gen, hq, hkv):
     page = 16
     spec = make_spec(hq, hkv, max_len=128)
-    cache = QuestCache(spec, settings(budget=48, page=page))
+    cache = One(QuestCache(spec, settings(budget=48, page=page)))
     Q, K, V = make_qkv(gen, spec.batch, hq, hkv, spec.max_len)
     K = K * torch.exp(torch.randn(D, generator=gen))  # outlier channels
     chunks = [(0, 37)] + decode_steps(37, 20) + [(57, 90)]
@@ -345,7 +345,7 @@ def test_select_pages_budget_and_last_page():
 def test_quest_picks_the_page_with_a_planted_key(gen, hq, hkv):
     page, budget, L = 16, 48, 160
     spec = make_spec(hq, hkv, max_len=192)
-    cache, full = QuestCache(spec, settings(budget=budget, page=page)), FullCache(spec)
+    cache, full = One(QuestCache(spec, settings(budget=budget, page=page))), One(FullCache(spec))
     Q, K, V = make_qkv(gen, spec.batch, hq, hkv, L + 1)
     G = hq // hkv
     planted = {h: 33 + 16 * h for h in range(hkv)}  # a different page per KV head

@@ -1,12 +1,13 @@
-"""The static-shape decode path (device-tensor position over a padded buffer, used by CUDA graphs) equals the
-eager path; on a GPU the captured graph equals eager decoding."""
+"""The decode paths: a decode step (static shapes over a bucket, the path CUDA graphs capture) equals a prefill
+of the same tokens; on a GPU the captured graphs equal eager decoding, for the full cache and for tailorkv."""
 import pytest
 import torch
 
 from tailorkv.engine.methods import build_cache
+from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.models.loader import load_model
-from helpers import rel_err, write_tiny_hf
+from helpers import rel_err, write_tiny_folder, write_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -16,49 +17,67 @@ def tiny(tmp_path_factory):
     return str(folder)
 
 
-def test_tensor_position_path_equals_eager(tiny):
+def test_decode_steps_equal_one_prefill(tiny):
     lm = load_model(tiny)
-    cache = build_cache(lm, MethodSettings("full"), max_len=300)
     ids = torch.randint(3, 300, (1, 130), generator=torch.Generator().manual_seed(2))
-    lm.model(ids[:, :120], 0, cache)
-    lm.model.rope.tables(300, "cpu")
+    whole = Runner(lm.model, build_cache(lm, MethodSettings("full"), max_len=300)).prefill(ids, all_logits=True)
+    runner = Runner(lm.model, build_cache(lm, MethodSettings("full"), max_len=300))
+    runner.prefill(ids[:, :120])
     for pos in range(120, 130):
-        eager = lm.model(ids[:, pos:pos + 1], pos, cache)
-        cache.truncate(pos)
-        for layer in cache.layers:
-            layer.graph_len = 256
-        static = lm.model(ids[:, pos:pos + 1], torch.tensor(pos), cache)
-        for layer in cache.layers:
-            layer.length = pos + 1
-        assert rel_err(static, eager) < 1e-5
+        assert rel_err(runner.decode(ids[:, pos:pos + 1]), whole[:, pos]) < 1e-5
+    assert runner.length == 130
 
 
 def test_bucket_bounds():
-    from tailorkv.engine.cuda_graph import bucket_for
+    from tailorkv.engine.step import bucket_for, fine_bucket
     for n in [1, 255, 256, 257, 2048, 2049, 5000, 8193, 100_000, 131072]:
         b = bucket_for(n, 131072)
         assert n <= b <= 131072
         assert b - n <= max(256, n // 8)
+        f = fine_bucket(n)
+        assert n <= f and f - n <= max(256, n // 32)
+
+
+def _decode_both(lm, settings, ids, n_prompt, max_len):
+    """Logits of every decode step, eager and through CUDA graphs, from two identical caches."""
+    out = []
+    for graphs in (False, True):
+        runner = Runner(lm.model, build_cache(lm, settings, max_len), use_cuda_graph=graphs)
+        assert (runner.graphs is not None) == graphs
+        runner.prefill(ids[:, :n_prompt])
+        out.append([runner.decode(ids[:, p:p + 1]).clone() for p in range(n_prompt, ids.shape[1])])
+        if graphs:
+            out.append(len(runner.graphs.graphs))
+    return out
 
 
 @pytest.mark.cuda
 def test_cuda_graph_decode_equals_eager(tiny):
-    from tailorkv.engine.cuda_graph import GraphedDecoder
     lm = load_model(tiny, device="cuda", dtype=torch.float32)
-    cache = build_cache(lm, MethodSettings("full"), max_len=3000)
     ids = torch.randint(3, 300, (1, 2100), device="cuda")
-    lm.model(ids[:, :2040], 0, cache)
-    g = GraphedDecoder(lm.model, cache)
-    for pos in range(2040, 2100):  # crosses the 2048 bucket boundary
-        eager = lm.model(ids[:, pos:pos + 1], pos, cache).clone()
-        cache.truncate(pos)
-        graphed = g.step(ids[:, pos:pos + 1], pos)
-        assert rel_err(graphed, eager) < 1e-4
-    assert len(g.graphs) == 2
+    eager, graphed, n_graphs = _decode_both(lm, MethodSettings("full"), ids, 2040, 3000)
+    for a, b in zip(eager, graphed):  # crosses the 2048 bucket boundary
+        assert rel_err(b, a) < 1e-4
+    assert n_graphs == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [1, 2])
+def test_cuda_graph_tailorkv_equals_eager(tmp_path, bits):
+    """Quant layer 0 and sparse layers: flushes of the key residual and of the sparse tail happen between
+    replays (commit), and the middle grows past a bucket: the graphs still equal eager steps."""
+    write_tiny_folder(tmp_path, seed=6, hidden=128, n_heads=4, n_kv=2, head_dim=32, max_pos=2048)
+    lm = load_model(str(tmp_path), device="cuda", dtype=torch.float32)
+    s = MethodSettings("tailorkv", quant_layers=[0], bits=bits, budget=96, sink=8, recent=24, channels=8)
+    ids = torch.randint(3, 300, (1, 1100), device="cuda")
+    eager, graphed, n_graphs = _decode_both(lm, s, ids, 800, 1200)
+    for a, b in zip(eager, graphed):
+        assert rel_err(b, a) < 1e-4
+    assert 1 <= n_graphs <= 8
 
 
 def test_long_prefills_release_cached_blocks_on_cuda_only(monkeypatch):
-    from tailorkv.engine.generate import RELEASE_AFTER, release_prefill_blocks
+    from tailorkv.engine.runner import RELEASE_AFTER, release_prefill_blocks
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
     release_prefill_blocks("cpu", RELEASE_AFTER * 4)

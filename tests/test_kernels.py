@@ -10,6 +10,8 @@ import warnings
 import pytest
 import torch
 
+from helpers import One
+
 from tailorkv.ops import dispatch
 from tailorkv.ops.host_gather import gather_rows
 
@@ -75,7 +77,7 @@ def test_sparse_decode_with_kernels_equals_reference(monkeypatch):
     for kernels in ("1", "0"):
         monkeypatch.setenv("TAILORKV_KERNELS", kernels)
         gg = torch.Generator().manual_seed(SEED + 2)
-        cache = SparseOffloadCache(spec, s)
+        cache = One(SparseOffloadCache(spec, s))
         q, k, v = (torch.randn(1, h, 500, 64, generator=gg).cuda() for h in (9, 3, 3))
         cache.attend(q, k, v, 0)
         steps = []

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tailorkv.engine.methods import build_cache
+from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.models.gguf import smollm2_gguf_path
 from tailorkv.models.loader import load_model
@@ -37,5 +38,5 @@ def test_long_positions_match_transformers(pair):
     with torch.no_grad():
         ref = hf(ids).logits[0, -64:]
     cache = build_cache(ours, MethodSettings("full"), max_len=4096)
-    got = ours.model(ids, 0, cache, all_logits=True)[0, -64:]
+    got = Runner(ours.model, cache).prefill(ids, all_logits=True)[0, -64:]
     assert rel_err(got, ref) < 1e-4

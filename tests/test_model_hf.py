@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tailorkv.engine.methods import build_cache
+from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.models.loader import load_model
 from helpers import prefill_then_decode, rel_err, write_tiny_hf
@@ -37,4 +38,4 @@ def test_tied_embeddings(tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits[0]
     cache = build_cache(loaded, MethodSettings("full"), max_len=64)
-    assert rel_err(loaded.model(ids, 0, cache, all_logits=True)[0], ref) < 1e-4
+    assert rel_err(Runner(loaded.model, cache).prefill(ids, all_logits=True)[0], ref) < 1e-4

@@ -56,19 +56,22 @@ def brute_p(q, k, n_q, top, causal=True):
 class Recorder(LayerCache):
     """Keeps each layer's q and k; same output as the calibration cache so both runs see the same tensors."""
 
-    def __init__(self, spec=None):
-        self.length = 0
+    def __init__(self, spec):
+        super().__init__(spec)
         self.q = self.k = None
 
-    def attend(self, q, k, v, start_pos):
+    def run(self, q, k, v, step):
         self.q, self.k = q[0].clone(), k[0].clone()
-        return causal_attention(q, k, v, start_pos)
+        return causal_attention(q, k, v, step.start)
 
 
 def record_qk(loaded, ids):
-    from tailorkv.engine.cache import ModelCache
-    cache = ModelCache([Recorder() for _ in range(loaded.cfg.n_layers)])
-    loaded.model(torch.tensor([ids]), 0, cache)
+    from tailorkv.engine.cache import LayerSpec, ModelCache
+    from tailorkv.engine.runner import Runner
+    c = loaded.cfg
+    spec = LayerSpec(0, c.n_heads, c.n_kv_heads, c.head_dim, len(ids), 1, torch.float32, torch.device("cpu"))
+    cache = ModelCache([Recorder(spec) for _ in range(c.n_layers)])
+    Runner(loaded.model, cache).prefill(torch.tensor([ids]))
     return [(layer.q, layer.k) for layer in cache.layers]
 
 
@@ -134,9 +137,10 @@ def test_calibration_output_equals_full_attention(tiny):
     from tailorkv.engine.methods import build_cache
     from tailorkv.engine.settings import MethodSettings
     ids = torch.tensor([tiny_ids(90, seed=7)])
-    ref = tiny.model(ids, 0, build_cache(tiny, MethodSettings(), 128), all_logits=True)
-    cal = calibration_cache(tiny.cfg, 32, 0.05, 1, "cpu", torch.float32)
-    got = tiny.model(ids, 0, cal, all_logits=True)
+    from tailorkv.engine.runner import Runner
+    ref = Runner(tiny.model, build_cache(tiny, MethodSettings(), 128)).prefill(ids, all_logits=True)
+    cal = calibration_cache(tiny.cfg, 32, 0.05, 1, "cpu", torch.float32, 90)
+    got = Runner(tiny.model, cal).prefill(ids, all_logits=True)
     torch.testing.assert_close(got, ref)
     assert all(isinstance(layer, CalibrationCache) and layer.p is not None for layer in cal.layers)
 

@@ -11,6 +11,8 @@ import zlib
 import pytest
 import torch
 
+from helpers import One
+
 import tailorkv.ops.quant_attention as qa
 from tailorkv.engine.cache import LayerSpec
 from tailorkv.engine.policies.full import FullCache
@@ -139,7 +141,7 @@ R = 128
 def make_cache(hq=6, hkv=2, D=64, bits=1, max_len=640, B=1):
     spec = LayerSpec(layer_idx=0, n_heads=hq, n_kv_heads=hkv, head_dim=D, max_len=max_len, batch=B,
                      dtype=torch.float32, device=torch.device("cpu"))
-    return QuantCache(spec, MethodSettings(method="tailorkv", bits=bits, group=64, residual=R))
+    return One(QuantCache(spec, MethodSettings(method="tailorkv", bits=bits, group=64, residual=R)))
 
 
 def expected_kv(Kt, Vt, held_before, end, bits):
@@ -174,8 +176,8 @@ def run_steps(cache, Kt, Vt, Qt, chunks, bits):
         assert err < 1e-5, f"chunk of {n} at {pos}: rel err {err}"
         pos += n
         assert cache.length == pos
-        assert cache.nkq == pos // R * R and cache.nkr == pos % R
-        assert cache.nvq == max(0, pos - R) and cache.nvr == min(pos, R)
+        assert cache.held == pos and cache.nkq == pos // R * R and cache.held - cache.nkq == pos % R
+        assert cache.nvq == max(0, pos - R)
     return pos
 
 
@@ -197,10 +199,10 @@ def test_cache_flush_at_exactly_residual(gen):
     Qt, Kt, Vt = tokens(gen, 4, 4, 64, 130)
     cache = make_cache(4, 4, 64)
     run_steps(cache, Kt, Vt, Qt, [127, 1], bits=1)
-    assert cache.nkq == 128 and cache.nkr == 0 and cache.nvq == 0 and cache.nvr == 128
+    assert cache.nkq == 128 and cache.held == 128 and cache.nvq == 0
     out = cache.attend(Qt[:, :, 128:129], Kt[:, :, 128:129], Vt[:, :, 128:129], 128)
     assert torch.isfinite(out).all()
-    assert cache.nkq == 128 and cache.nkr == 1 and cache.nvq == 1 and cache.nvr == 128
+    assert cache.nkq == 128 and cache.held == 129 and cache.nvq == 1
 
 
 @pytest.mark.parametrize("hq,hkv,D,B", [(9, 3, 64, 1), (8, 2, 128, 2)])
@@ -236,7 +238,7 @@ def test_cache_reset_truncate_and_limits(gen):
 def test_device_bytes_below_full(bits, ratio):
     spec = dict(hq=32, hkv=8, D=128, bits=bits, max_len=32768)
     cache = make_cache(**spec)
-    full = FullCache(LayerSpec(0, 32, 8, 128, 32768, 1, torch.float16, torch.device("cpu")))
+    full = One(FullCache(LayerSpec(0, 32, 8, 128, 32768, 1, torch.float16, torch.device("cpu"))))
     fp16_bytes = full.device_bytes()
     assert fp16_bytes == 2 * 8 * 32768 * 128 * 2
     # fp32 residual buffers in this test cache; with fp16 they are half that
@@ -249,8 +251,8 @@ def test_cache_bf16_close_to_fp32(gen):
     Qt, Kt, Vt = (t.bfloat16().float() for t in tokens(gen, 6, 2, 64, 300))
     caches = [make_cache(), make_cache()]
     spec = caches[1].spec
-    caches[1] = QuantCache(LayerSpec(0, 6, 2, 64, spec.max_len, 1, torch.bfloat16, spec.device),
-                           MethodSettings(bits=1, group=64, residual=R))
+    caches[1] = One(QuantCache(LayerSpec(0, 6, 2, 64, spec.max_len, 1, torch.bfloat16, spec.device),
+                           MethodSettings(bits=1, group=64, residual=R)))
     outs = [[], []]
     for i, (c, dt) in enumerate(zip(caches, (torch.float32, torch.bfloat16))):
         pos = 0

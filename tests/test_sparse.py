@@ -14,11 +14,14 @@ import tailorkv.engine.policies.sparse as sparse
 from tailorkv.engine.cache import LayerSpec, ModelCache
 from tailorkv.engine.policies.full import FullCache
 from tailorkv.engine.policies.sparse import SparseOffloadCache
+from tailorkv.engine.policies.selection import ChannelSelector
+from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
+from tailorkv.engine.step import fine_bucket
 from tailorkv.ops.attention import attention_with_mask
 from tailorkv.ops.host_gather import gather_rows
 from tailorkv.ops.sparse_select import approx_scores, channel_scores, topk_channels, topk_tokens
-from helpers import rel_err
+from helpers import One, rel_err
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_sparse seed: TAILORKV_SEED={SEED}")
@@ -57,13 +60,16 @@ def check_regions(cache: SparseOffloadCache, K, V, kmax_exact=True):
     assert pos == list(range(cache.length))
     assert len(r["tail"]) <= cache.recent + sparse.FLUSH
     s, m, t = r["sink"], r["middle"], r["tail"]
-    assert torch.equal(cache.sink_k[:, :, :len(s)], K[:, :, s.start:s.stop])
-    assert torch.equal(cache.sink_v[:, :, :len(s)], V[:, :, s.start:s.stop])
+    assert torch.equal(cache.dev_k[:, :, :len(s)], K[:, :, s.start:s.stop])
+    assert torch.equal(cache.dev_v[:, :, :len(s)], V[:, :, s.start:s.stop])
     assert torch.equal(cache.host_k[:, :, m.start:m.stop], K[:, :, m.start:m.stop])
     assert torch.equal(cache.host_v[:, :, m.start:m.stop], V[:, :, m.start:m.stop])
     assert torch.equal(cache.host_kt[:, :, :, m.start:m.stop], K[:, :, m.start:m.stop].transpose(2, 3))
-    assert torch.equal(cache.tail_k[:, :, :len(t)], K[:, :, t.start:t.stop])
-    assert torch.equal(cache.tail_v[:, :, :len(t)], V[:, :, t.start:t.stop])
+    S = cache.sink
+    assert torch.equal(cache.dev_k[:, :, S:S + len(t)], K[:, :, t.start:t.stop])
+    assert torch.equal(cache.dev_v[:, :, S:S + len(t)], V[:, :, t.start:t.stop])
+    held_k, held_v = cache.held_kv()
+    assert torch.equal(held_k, K[:, :, :cache.length]) and torch.equal(held_v, V[:, :, :cache.length])
     if kmax_exact:  # after a truncation max|K| may over-estimate (it keeps the dropped tokens)
         assert torch.equal(cache.kmax, K.abs().amax(2))
 
@@ -73,7 +79,7 @@ def check_regions(cache: SparseOffloadCache, K, V, kmax_exact=True):
 def test_big_budget_equals_full(gen, small_flush, hq, hkv):
     B, D, P = 2, 16, 40
     spec = spec_of(hq, hkv, D, B)
-    sp, full = SparseOffloadCache(spec, settings(budget=spec.max_len)), FullCache(spec)
+    sp, full = One(SparseOffloadCache(spec, settings(budget=spec.max_len))), One(FullCache(spec))
     q, k, v = qkv(gen, B, hq, hkv, P, D)
     assert rel_err(sp.attend(q, k, v, 0), full.attend(q, k, v, 0)) < 1e-5
     flushed = 0
@@ -108,7 +114,7 @@ def test_decode_attends_sink_topk_tail(gen, small_flush, hq, hkv):
     """Through the cache, with r = D: output = attention over sink + exact top-K middle + tail + new token."""
     B, D, P = 1, 16, 80
     st = settings(budget=4 + 8 + 10, channels=D)
-    sp = SparseOffloadCache(spec_of(hq, hkv, D, B), st)
+    sp = One(SparseOffloadCache(spec_of(hq, hkv, D, B), st))
     q, K, V = qkv(gen, B, hq, hkv, P, D)
     sp.attend(q, K, V, 0)
     for step in range(8):
@@ -124,7 +130,8 @@ def test_decode_attends_sink_topk_tail(gen, small_flush, hq, hkv):
         assert rel_err(out, attention_with_mask(q, keys, vals)) < 1e-5
         s = sp.stats()
         assert s["tokens_fetched"] == st.topk and s["middle_tokens"] == len(mid)
-        assert s["bytes_fetched"] == B * hkv * 4 * (D * len(mid) + 2 * st.topk * D)
+        n = min(fine_bucket(len(mid)), sp.spec.max_len - st.sink)  # K^T rows over the bucket of the middle
+        assert s["bytes_fetched"] == B * hkv * 4 * (D * n + 2 * st.topk * D)
         K, V = torch.cat([K, k], 2), torch.cat([V, v], 2)
     check_regions(sp, K, V)
 
@@ -152,7 +159,7 @@ def test_approx_scores_hand_made():
 # --- (d) max|K| follows every token -----------------------------------------------------------------------
 def test_kmax_updated_by_generated_tokens(gen, small_flush):
     B, hq, hkv, D, P = 1, 4, 2, 16, 30
-    sp = SparseOffloadCache(spec_of(hq, hkv, D, B), settings())
+    sp = One(SparseOffloadCache(spec_of(hq, hkv, D, B), settings()))
     q, K, _ = qkv(gen, B, hq, hkv, P, D)
     sp.attend(q, K, K, 0)
     assert torch.equal(sp.kmax, K.abs().amax(2))
@@ -168,7 +175,7 @@ def test_kmax_updated_by_generated_tokens(gen, small_flush):
 def test_regions_bookkeeping(gen, small_flush, prompt):
     B, hq, hkv, D = 2, 4, 2, 8
     spec = spec_of(hq, hkv, D, B)
-    sp, full = SparseOffloadCache(spec, settings(budget=spec.max_len)), FullCache(spec)
+    sp, full = One(SparseOffloadCache(spec, settings(budget=spec.max_len))), One(FullCache(spec))
     K = V = torch.zeros(B, hkv, 0, D)
     for T in [prompt] + [1] * 13 + [3] + [1] * 9 + [20] + [1] * 4:
         q, k, v = qkv(gen, B, hq, hkv, T, D)
@@ -190,19 +197,24 @@ def test_regions_bookkeeping(gen, small_flush, prompt):
 
 def test_byte_counts():
     spec = spec_of(8, 2, 16, 1, max_len=256)
-    sp = SparseOffloadCache(spec, settings())
+    sp = One(SparseOffloadCache(spec, settings()))
     assert sp.host_bytes() == 3 * 2 * 256 * 16 * 4
     assert sp.device_bytes() == (2 * 4 + 2 * (8 + sparse.FLUSH)) * 2 * 16 * 4 + 2 * 16 * 4
 
 
 # --- (f) the predicted query picks the channels -------------------------------------------------------------
-def test_predicted_query_selects_channels(gen, monkeypatch):
+def test_predicted_query_selects_channels(gen):
     B, hq, hkv, D, P = 1, 4, 2, 16, 64
-    sp = SparseOffloadCache(spec_of(hq, hkv, D, B), settings(budget=4 + 8 + 6, channels=1))
+    sp = One(SparseOffloadCache(spec_of(hq, hkv, D, B), settings(budget=4 + 8 + 6, channels=1)))
     _, K, V = qkv(gen, B, hq, hkv, P, D)
     sp.attend(torch.randn(B, hq, P, D, generator=gen), K, V, 0)
     chosen = []
-    monkeypatch.setattr(sparse, "topk_channels", lambda s, r: chosen.append(topk_channels(s, r)) or chosen[-1])
+
+    class Recording(ChannelSelector):
+        def channels(self, layer, q_sel):
+            chosen.append(super().channels(layer, q_sel))
+            return chosen[-1]
+    sp.selector = Recording()
     q = torch.zeros(B, hq, 1, D)
     q[..., 5] = 1.0   # the current query points at channel 5 ...
     q_hat = torch.zeros(B, hq, 1, D)
@@ -230,11 +242,8 @@ def test_prediction_uses_next_layers_weights(gen):
     from tailorkv.models.loader import LoadedModel
     cfg, model = tiny_model()
     st = MethodSettings(method="tailorkv", quant_layers=[0], sink=2, recent=4, budget=10, channels=4)
-    try:
-        cache = build_cache(LoadedModel(model, None, cfg, "tiny", "random"), st, max_len=64)
-    except ImportError:  # no quant policy yet: all layers sparse
-        spec = lambda i: LayerSpec(i, 4, 2, 32, 64, 1, torch.float32, torch.device("cpu"))  # noqa: E731
-        cache = ModelCache([SparseOffloadCache(spec(i), st) for i in range(3)], model.project_query, "tailorkv")
+    cache = build_cache(LoadedModel(model, None, cfg, "tiny", "random"), st, max_len=64)
+    runner = Runner(model, cache, use_cuda_graph=False)
     recorded, inputs = {}, {}
     for i, layer in enumerate(cache.layers):
         if layer.wants_query_prediction:
@@ -243,16 +252,16 @@ def test_prediction_uses_next_layers_weights(gen):
     for i, block in enumerate(model.model.layers):
         block.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0].clone()))
     P = 20
-    model(torch.randint(0, 64, (1, P), generator=gen), 0, cache)
+    runner.prefill(torch.randint(0, 64, (1, P), generator=gen))
     assert recorded == {}  # no prediction during prefill
-    model(torch.randint(0, 64, (1, 1), generator=gen), P, cache)
+    runner.decode(torch.randint(0, 64, (1, 1), generator=gen))
     assert set(recorded) == {i for i in range(1, 3) if cache.layers[i].wants_query_prediction} and recorded
     layers = model.model.layers
 
     def by_hand(proj_layer, l):
         x = layers[l - 1].input_layernorm(inputs[l - 1])
         q = layers[proj_layer].self_attn.q_proj(x).view(1, 1, 4, 32).transpose(1, 2)
-        return model.rope(q, P)
+        return model.rope(q, torch.tensor([P]))
     for l, q_hat in recorded.items():
         assert rel_err(q_hat, by_hand(l, l)) < 1e-6
         assert rel_err(q_hat, by_hand(l - 1, l)) > 0.1
@@ -262,12 +271,12 @@ def test_all_sparse_big_budget_model_equals_full(gen):
     cfg, model = tiny_model(n_layers=2)
     spec = lambda i: LayerSpec(i, 4, 2, 32, 64, 1, torch.float32, torch.device("cpu"))  # noqa: E731
     st = MethodSettings(method="tailorkv", sink=2, recent=4, budget=64, channels=4)
-    sp = ModelCache([SparseOffloadCache(spec(i), st) for i in range(2)], model.project_query, "tailorkv")
-    full = ModelCache([FullCache(spec(i)) for i in range(2)], model.project_query, "full")
+    sp = Runner(model, ModelCache([SparseOffloadCache(spec(i), st) for i in range(2)], model.project_query, "tailorkv"))
+    full = Runner(model, ModelCache([FullCache(spec(i)) for i in range(2)], model.project_query, "full"))
     toks = torch.randint(0, 64, (1, 30), generator=gen)
-    assert rel_err(model(toks[:, :20], 0, sp), model(toks[:, :20], 0, full)) < 1e-5
+    assert rel_err(sp.prefill(toks[:, :20]), full.prefill(toks[:, :20])) < 1e-5
     for p in range(20, 30):
-        assert rel_err(model(toks[:, p:p + 1], p, sp), model(toks[:, p:p + 1], p, full)) < 1e-5
+        assert rel_err(sp.decode(toks[:, p:p + 1]), full.decode(toks[:, p:p + 1])) < 1e-5
 
 
 # --- (h) a multi-token attend after prefill (a second chat turn) is exact ----------------------------------
@@ -275,7 +284,7 @@ def test_all_sparse_big_budget_model_equals_full(gen):
 def test_multi_token_after_prefill_equals_full(gen, small_flush, hq, hkv):
     B, D, P = 1, 16, 50
     spec = spec_of(hq, hkv, D, B)
-    sp, full = SparseOffloadCache(spec, settings(budget=4 + 8 + 6)), FullCache(spec)  # small top-K
+    sp, full = One(SparseOffloadCache(spec, settings(budget=4 + 8 + 6))), One(FullCache(spec))  # small top-K
     q, k, v = qkv(gen, B, hq, hkv, P, D)
     sp.attend(q, k, v, 0), full.attend(q, k, v, 0)
     for p in range(P, P + 7):  # sparse decode steps (not compared: top-K of a random middle)

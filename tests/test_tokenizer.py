@@ -7,6 +7,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from tailorkv.models.errors import LoadError, UnsupportedModel
+from tailorkv.models.gguf import gguf_tokenizer
 from tailorkv.models.tokenizer import Tokenizer
 from helpers import smollm2_gguf_or_skip
 
@@ -39,7 +40,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 def smollm2():
     path = smollm2_gguf_or_skip()
     ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return Tokenizer.from_gguf(path), ref
+    return gguf_tokenizer(path), ref
 
 
 def write_gguf_tokenizer(path, tokens, kind="gpt2", pre="smollm", merges=None, scores=None, types=None):
@@ -144,7 +145,7 @@ def test_byte_level_gguf_matches_transformers(tmp_path, pre):
     merges = [" ".join(m) if isinstance(m, list) else m for m in trained["model"]["merges"]]
     types = [3 if t.startswith("<|") else 1 for t in tokens]
     write_gguf_tokenizer(tmp_path / "t.gguf", tokens, pre=pre, merges=merges, types=types)
-    ours = Tokenizer.from_gguf(str(tmp_path / "t.gguf"))
+    ours = gguf_tokenizer(str(tmp_path / "t.gguf"))
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
     for text in TEXTS + ["the lazy dog   sat\n\n  on 12345 mats"]:
         if pre == "smollm" and any(c.isdigit() for c in text):
@@ -173,7 +174,7 @@ def spm_gguf(path):
 
 def test_sentencepiece_gguf(tmp_path):
     spm_gguf(tmp_path / "spm.gguf")
-    ours = Tokenizer.from_gguf(str(tmp_path / "spm.gguf"))
+    ours = gguf_tokenizer(str(tmp_path / "spm.gguf"))
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
     plain = ["The quick brown fox", "hello there, the lazy cat!", "sea shells über 🎉 naïve", "a  b   c", "x\ny"]
     for text in plain:
@@ -193,7 +194,7 @@ def test_sentencepiece_gguf(tmp_path):
 def test_unknown_pre_tokenizer_is_refused(tmp_path):
     write_gguf_tokenizer(tmp_path / "x.gguf", ["a", "b", "ab"], pre="some-new-model", merges=["a b"])
     with pytest.raises(UnsupportedModel, match="'some-new-model' pre-tokenizer"):
-        Tokenizer.from_gguf(str(tmp_path / "x.gguf"))
+        gguf_tokenizer(str(tmp_path / "x.gguf"))
 
 
 # Hugging Face folder

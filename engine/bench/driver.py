@@ -26,9 +26,9 @@ from typing import Callable
 
 import torch
 
-from tailorkv.engine.generate import release_prefill_blocks
 from tailorkv.engine.results import percentile
 from tailorkv.engine.methods import build_cache
+from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
 
 HBM_GBPS = 4300.0   # H200 device-to-device copy, read + write (DESIGN.md, "Measured on the lent H200 machine")
@@ -178,6 +178,12 @@ def _sync(device: torch.device) -> None:
 Phase = Callable[[str], None]
 
 
+def bench_prompt(loaded, plan: BenchPlan, ctx: int) -> torch.Tensor:
+    """The random prompt ids [batch, prompt_len(ctx)] of a cell (seeded by plan.seed and ctx)."""
+    gen = torch.Generator().manual_seed(plan.seed + ctx)
+    return torch.randint(0, loaded.cfg.vocab_size, (plan.batch, plan.prompt_len(ctx)), generator=gen)
+
+
 def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_phase: Phase | None) -> dict:
     model = loaded.model
     device = model.output_weight.device
@@ -191,12 +197,12 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     out["kv_device_bytes"] = cache.device_bytes()
 
     n_prompt = plan.prompt_len(ctx)
-    gen = torch.Generator().manual_seed(plan.seed + ctx)
-    prompt = torch.randint(0, loaded.cfg.vocab_size, (plan.batch, n_prompt), generator=gen).to(device)
+    prompt = bench_prompt(loaded, plan, ctx).to(device)
     say(f"prefill {n_prompt} tokens")
     _sync(device)
     t0 = time.perf_counter()
-    logits = model(prompt, 0, cache)
+    runner = Runner(model, cache, use_cuda_graph=plan.cuda_graph)
+    logits = runner.prefill(prompt)
     _sync(device)
     out["prefill_s"] = time.perf_counter() - t0
     out["prefill_tok_s"] = plan.batch * n_prompt / out["prefill_s"]
@@ -205,16 +211,14 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
         out["peak_device_prefill_bytes"] = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     del prompt
-    release_prefill_blocks(device, n_prompt)
 
-    pos = n_prompt
     tok = logits.argmax(-1, keepdim=True)  # [B, 1], stays on the device
-    step = decode_step(model, cache, use_graph=plan.cuda_graph)
-    out["cuda_graph"] = step is not model
+    decoded = [tok]
+    out["cuda_graph"] = runner.graphs is not None
     say("decode")
     for _ in range(plan.warmup):
-        tok = step(tok, pos, cache).argmax(-1, keepdim=True)
-        pos += 1
+        tok = runner.decode(tok).argmax(-1, keepdim=True)
+        decoded.append(tok)
     _sync(device)
     n = plan.decode_steps
     step_stats, times_ms = [], []
@@ -226,12 +230,12 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
             starts[i].record()
         else:
             t0 = time.perf_counter()
-        tok = step(tok, pos, cache).argmax(-1, keepdim=True)
+        tok = runner.decode(tok).argmax(-1, keepdim=True)
+        decoded.append(tok)
         if cuda:
             ends[i].record()
         else:
             times_ms.append((time.perf_counter() - t0) * 1e3)
-        pos += 1
         step_stats.append(cache.stats())
     _sync(device)
     wall_ms = (time.perf_counter() - wall0) * 1e3 / n
@@ -251,17 +255,9 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     out["host_rss_bytes"] = process_rss()
     out["stats"] = _median_stats(step_stats)
     out["tokens_held"] = cache.length
-    del cache, logits, tok
+    out["greedy_tokens"] = torch.cat(decoded, 1)[0].tolist()  # row 0's greedy tokens, prefill's first
+    del runner, cache, logits, tok
     return out
-
-
-def decode_step(model, cache, use_graph: bool = True):
-    """The engine's decode path: a CUDA graph where every layer's policy allows one, else the eager model."""
-    from tailorkv.engine.cuda_graph import GraphedDecoder
-    if not (use_graph and model.output_weight.is_cuda and GraphedDecoder.supported(cache)):
-        return model
-    graphed = GraphedDecoder(model, cache)
-    return lambda tok, pos, _cache: graphed.step(tok, pos)
 
 
 def floor_of(cell: dict, weight_read_bytes: int, kv_token_bytes: int, plan: BenchPlan) -> dict:

@@ -21,10 +21,10 @@ Conventions (written down here because they change the numbers):
   down (proportionally, rounded down) to fit in budget // 2, so top-K keeps at least half; SnapKV's observation
   window is capped at budget // 2 the same way. Quest still needs budget >= one page (16 tokens).
 - Tokens loaded: per decode step, from the cache's stats() (the step's counters, summed over layers):
-  ``loaded_frac``   sparse-offload layers (tailorkv): tokens_fetched / (n_sparse_layers * context), the share of
+  ``loaded_frac``   sparse-offload layers (tailorkv): tokens_fetched / (n_loading_layers * context), the share of
                     the context brought from host memory (top-K; the paper's "loading 1-3% of tokens");
-  ``attended_frac`` tokens each non-full layer attends to / context: tokens_attended (streamingllm, snapkv,
-                    quest) or sink + fetched + tail (tailorkv's sparse layers, read from the layer's regions).
+  ``attended_frac`` tokens each token-selecting layer attends to / context: its tokens_attended counter
+                    (streamingllm, snapkv, quest; tailorkv's sparse layers: sink + fetched + tail).
   context = tokens held after the step. Both are the mean over the sample's decode steps (prefill excluded);
   None for methods without such counters (full).
 """
@@ -282,25 +282,17 @@ def suite_hash(suites: dict[int, list[Sample]]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ one sample
-def n_sparse_layers(cache) -> int:
-    return sum(1 for layer in cache.layers if layer.name == "sparse")
-
-
 def step_fractions(cache, context: int) -> dict:
-    """This decode step's share of the context that the cache loaded / attended to (see the module doc)."""
-    st = cache.stats()
+    """This decode step's share of the context that the cache loaded / attended to (see the module doc), from
+    the counters each policy publishes: `tokens_fetched` (layers that load from host memory) and
+    `tokens_attended` (layers whose `selects_tokens` is set)."""
+    loading = [layer.stats() for layer in cache.layers if "tokens_fetched" in layer.stats()]
+    selecting = [layer.stats() for layer in cache.layers if layer.selects_tokens]
     out = {}
-    sparse = [layer for layer in cache.layers if layer.name == "sparse"]
-    if sparse and "tokens_fetched" in st:
-        out["loaded_frac"] = st["tokens_fetched"] / (len(sparse) * context)
-        attended = 0
-        for layer in sparse:
-            reg = layer.regions()
-            attended += len(reg["sink"]) + layer.stats().get("tokens_fetched", 0) + len(reg["tail"])
-        out["attended_frac"] = attended / (len(sparse) * context)
-    elif "tokens_attended" in st:
-        n_layers = sum(1 for layer in cache.layers if layer.name != "full")
-        out["attended_frac"] = st["tokens_attended"] / (max(n_layers, 1) * context)
+    if loading:
+        out["loaded_frac"] = sum(s["tokens_fetched"] for s in loading) / (len(loading) * context)
+    if selecting:
+        out["attended_frac"] = sum(s["tokens_attended"] for s in selecting) / (len(selecting) * context)
     return out
 
 

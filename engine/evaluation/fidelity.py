@@ -46,83 +46,56 @@ def fidelity_ids(tokenizer, length: int) -> list[int]:
 
 
 class RecallProbe:
-    """Attention-mass recall of the sparse-offload layers of one cache (see the module doc). A context manager:
-    installs the instance wrappers on enter, removes them on exit."""
+    """Attention-mass recall of the token-selecting layers of one cache (see the module doc). A context manager:
+    on enter it wraps each such layer's selector (engine.policies.selection.ObservedSelector) and restores it
+    on exit. Call `end_step()` after every decode step: a layer whose middle was empty (nothing to select, so
+    nothing left out) counts 1.0 for that step. Needs eager decoding (a replayed CUDA graph calls no Python)."""
 
     def __init__(self, cache):
-        self.layers = [layer for layer in cache.layers if layer.name == "sparse"]
-        self.values: list[float] = []      # one per (decode step, sparse layer)
-        self.unobserved = 0                # decode steps whose selection could not be seen
-        self._picked = None
+        self.layers = [layer for layer in cache.layers if hasattr(layer, "selector")]
+        self.values: list[float] = []      # one per (decode step, selecting layer)
+        self._seen: set[int] = set()
 
     def __enter__(self):
-        import tailorkv.engine.policies.sparse as sp
-        self._module = sp
-        self._orig_topk = sp.topk_tokens
-
-        def topk_tokens(scores, k):
-            idx = self._orig_topk(scores, k)
-            self._picked = idx
-            return idx
-
-        sp.topk_tokens = topk_tokens
+        from tailorkv.engine.policies.selection import ObservedSelector
+        self._inner = [layer.selector for layer in self.layers]
         for layer in self.layers:
-            layer.attend = self._wrap(layer, layer.attend)
+            layer.selector = ObservedSelector(layer.selector, self._observe)
         return self
 
     def __exit__(self, *exc):
-        self._module.topk_tokens = self._orig_topk
-        for layer in self.layers:
-            layer.__dict__.pop("attend", None)
+        for layer, inner in zip(self.layers, self._inner):
+            layer.selector = inner
         return False
 
-    def _wrap(self, layer, attend):
-        def wrapped(q, k, v, start_pos):
-            if k.shape[2] != 1 or start_pos != layer.length:
-                return attend(q, k, v, start_pos)
-            reg = layer.regions()
-            n_sink, lo, hi = len(reg["sink"]), reg["middle"].start, reg["middle"].stop
-            mid = max(0, hi - lo)
-            tl = len(reg["tail"])
-            dev = q.device
-            if dev.type == "cuda":  # the host store must hold every copy the policy queued before we read it
-                torch.cuda.synchronize(dev)
-            keys = torch.cat([layer.sink_k[:, :, :n_sink], layer.host_k[:, :, lo:hi].to(dev),
-                              layer.tail_k[:, :, :tl], k], 2)  # a copy: the step may rewrite the tail after
-            self._picked = None
-            out = attend(q, k, v, start_pos)
-            picked, self._picked = self._picked, None
-            self._score(layer, q, keys, n_sink, mid, picked)
-            return out
-        return wrapped
+    def end_step(self) -> None:
+        for layer in self.layers:
+            if id(layer) not in self._seen:
+                self.values.append(1.0)
+        self._seen.clear()
 
-    def _score(self, layer, q, keys, n_sink, mid, picked) -> None:
-        topk = layer.topk
-        if mid == 0 or (0 < mid <= topk):  # nothing left out
-            self.values.append(1.0)
-            return
+    def _observe(self, layer, q, picked) -> None:
+        """picked [B, Hkv, K]: absolute positions; those outside the middle are not attended."""
+        self._seen.add(id(layer))
+        keys, _ = layer.held_kv(pending=1)  # every held token and this step's, in position order
+        lo, hi = layer.regions()["middle"].start, layer.regions()["middle"].stop
         B, Hq, _, D = q.shape
         H = keys.shape[1]
         G = Hq // H
         logits = (q.float().reshape(B, H, G, D) @ keys.float().transpose(-1, -2)) / math.sqrt(D)  # [B, H, G, N]
         probs = torch.softmax(logits, -1)
-        middle = probs[..., n_sink:n_sink + mid]
-        kept = middle.new_zeros(())
-        if topk > 0:
-            if picked is None:
-                self.unobserved += 1
-                return
-            idx = picked.to(q.device).long()[:, :, None, :].expand(-1, -1, G, -1)  # relative to the middle
-            kept = middle.gather(-1, idx).sum(-1)
-        left_out = middle.sum(-1) - kept                                             # [B, H, G]
+        middle = probs[..., lo:hi]
+        inside = (picked >= lo) & (picked < hi)
+        hits = torch.zeros(B, H, hi - lo, dtype=torch.int32, device=q.device)
+        hits.scatter_add_(2, torch.where(inside, picked - lo, 0), inside.int())
+        left_out = (middle * (hits == 0)[:, :, None, :]).sum(-1)                      # [B, H, G]
         self.values.append(float((1.0 - left_out).mean()))
 
     def summary(self) -> dict:
-        if self.unobserved or not self.layers:
-            return {"attn_recall": None, "attn_recall_min": None, "attn_recall_unobserved_steps": self.unobserved}
+        if not self.layers:
+            return {"attn_recall": None, "attn_recall_min": None}
         v = self.values
-        return {"attn_recall": statistics.fmean(v) if v else None, "attn_recall_min": min(v) if v else None,
-                "attn_recall_unobserved_steps": 0}
+        return {"attn_recall": statistics.fmean(v) if v else None, "attn_recall_min": min(v) if v else None}
 
 
 def compare_logits(full: torch.Tensor, other: torch.Tensor, target: int) -> dict:
@@ -150,8 +123,9 @@ def run_fidelity(loaded, settings, ids: list[int], n_steps: int, recall: bool = 
     prefix = length - n_steps
     max_len = length + 16
     ref = Engine(loaded, build_cache(loaded, MethodSettings(method="full"), max_len))
-    eng = Engine(loaded, build_cache(loaded, settings, max_len))
-    probe = RecallProbe(eng.cache) if recall and settings.method == "tailorkv" else None
+    cache = build_cache(loaded, settings, max_len)
+    probe = RecallProbe(cache) if recall and settings.method == "tailorkv" else None
+    eng = Engine(loaded, cache, use_cuda_graph=probe is None)
     steps = []
     with torch.inference_mode():
         say(f"prefill {prefix} tokens (full)")
@@ -166,6 +140,8 @@ def run_fidelity(loaded, settings, ids: list[int], n_steps: int, recall: bool = 
                 tok = ids[prefix + j]
                 a = ref.forward([tok]).clone()
                 b = eng.forward([tok])
+                if probe is not None:
+                    probe.end_step()
                 steps.append(compare_logits(a, b, ids[prefix + j + 1]))
         finally:
             if probe is not None:

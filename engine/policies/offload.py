@@ -27,37 +27,35 @@ class OffloadCache(LayerCache):
         pin = spec.device.type == "cuda"
         self.k_host = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)
         self.v_host = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)
-        self.last: dict = {}
 
-    def attend(self, q, k, v, start_pos):
-        T = k.shape[2]
-        end = self.admit(start_pos, T)
-        if start_pos == 0:
+    def plan(self, step):
+        per_token = 2 * self.spec.batch * self.spec.n_kv_heads * self.spec.head_dim * self.k_host.element_size()
+        self.last = {"tokens_attended": step.end, "h2d_bytes": step.start * per_token,
+                     "d2h_bytes": step.n * per_token}
+        return None
+
+    def run(self, q, k, v, step):
+        """Eager only (shapes follow the length): the held prefix comes back, the new tokens go out."""
+        s, e = step.start, step.end
+        if s == 0:
             kk, vv = k, v
         else:
-            kd = torch.empty(end, *self.k_host.shape[1:], dtype=k.dtype, device=k.device)
+            kd = torch.empty(e, *self.k_host.shape[1:], dtype=k.dtype, device=k.device)
             vd = torch.empty_like(kd)
-            kd[:start_pos].copy_(self.k_host[:start_pos], non_blocking=True)
-            vd[:start_pos].copy_(self.v_host[:start_pos], non_blocking=True)
-            kd[start_pos:], vd[start_pos:] = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
+            kd[:s].copy_(self.k_host[:s], non_blocking=True)
+            vd[:s].copy_(self.v_host[:s], non_blocking=True)
+            kd[s:], vd[s:] = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
             kk, vv = kd.permute(1, 2, 0, 3), vd.permute(1, 2, 0, 3)
-        out = causal_attention(q, kk, vv, start_pos)
-        self.k_host[start_pos:end].copy_(k.permute(2, 0, 1, 3), non_blocking=True)
-        self.v_host[start_pos:end].copy_(v.permute(2, 0, 1, 3), non_blocking=True)
-        self.length = end
-        per_token = 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()  # K and V of one position
-        self.last = {"tokens_attended": end, "h2d_bytes": start_pos * per_token, "d2h_bytes": T * per_token}
+        out = causal_attention(q, kk, vv, s)
+        self.k_host[s:e].copy_(k.permute(2, 0, 1, 3), non_blocking=True)
+        self.v_host[s:e].copy_(v.permute(2, 0, 1, 3), non_blocking=True)
         return out
 
-    def reset(self) -> None:
-        self.length = 0
-        self.last = {}
+    def abort(self, step) -> None:
+        pass  # what a step wrote lies beyond the length: never read
 
     def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
+        pass
 
     def host_bytes(self) -> int:
         return self.k_host.numel() * self.k_host.element_size() * 2
-
-    def stats(self) -> dict:
-        return dict(self.last)

@@ -1,18 +1,23 @@
 """`quant`: TailorKV's quantization-friendly layers. The whole KV stays on the device at 1 or 2 bits
 (KIVI-style, layouts in ops/quant.py) plus a full-precision residual of recent tokens.
 
-- Keys (per-channel groups along time) keep a residual of fewer than R = settings.residual tokens; when it
-  reaches R, the R tokens are quantized as one block (a multiple of `group`) and the residual empties.
-- Values (per-token groups) keep the newest R tokens exact as a sliding window; each older token is
-  quantized alone as it leaves the window.
-- Attention always sees a step's new tokens exactly: storing (flush/evict) happens after the attention.
-  Prefill with no past attends over the exact prompt (as KIVI does); a multi-token turn with a past attends
-  over [dequantized quantized part ; exact residual ; new tokens] with the causal mask.
-- Decode (one token): scores = [qk_quant over packed keys ; q.K_res], one fp32 softmax,
-  output = av_quant over packed values + probs_res . V_res.
+- Keys (per-channel groups along time): the `nkq` oldest tokens are quantized (a multiple of R =
+  settings.residual); the rest, fewer than R after a step, sit exactly in `k_res`, slot j = position - nkq.
+  When the residual holds R tokens they are quantized as one block.
+- Values (per-token groups): the newest R tokens stay exact in a ring of R + 1 slots (slot = position % (R+1));
+  every older token is quantized alone, at its position in `v_codes`, as it leaves the window.
+- Attention always sees a step's new tokens exactly. A multi-token step with no past attends over the exact
+  prompt (as KIVI does); with a past, over [dequantized quantized part ; exact residual ; new tokens] with the
+  causal mask; it stores as it goes.
+- Decode (static shapes for a graph; `nkq` is also a device scalar): scores over the quantized keys of a
+  bucket of `kb` >= nkq positions (those past nkq masked) and over the R residual slots, one fp32 softmax;
+  the probabilities, placed at their positions, weight the quantized values before the window
+  (`av_quant`) and the ring's values. The token leaving the value window still counts exactly in this step
+  (the ring's extra slot holds it) and is quantized in the same step for the ones after (so running the step
+  twice gives the same state).
 
-So after storing L tokens: keys [0, L//R*R) quantized, the rest exact; values [0, max(0, L-R)) quantized,
-the rest exact. All buffers are preallocated to spec.max_len. `truncate` only supports a no-op or 0.
+After storing L tokens: keys [0, nkq) quantized, [nkq, L) exact; values [0, max(0, L-R)) quantized, the rest
+exact. Buffers are preallocated; `truncate` only supports a no-op or 0.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.engine.settings import MethodSettings
+from tailorkv.engine.step import bucket_for
 from tailorkv.ops.attention import causal_attention, softmax_scale
 from tailorkv.ops.quant import codes_per_word, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from tailorkv.ops.quant_attention import av_quant, qk_quant
@@ -27,21 +33,22 @@ from tailorkv.ops.quant_attention import av_quant, qk_quant
 
 class QuantCache(LayerCache):
     name = "quant"
+    graph_safe = True
 
     def __init__(self, spec: LayerSpec, settings: MethodSettings):
         super().__init__(spec)
         self.bits, self.group, self.R = settings.bits, settings.group, settings.residual
         cpw = codes_per_word(self.bits)
-        D = spec.head_dim
+        D, R = spec.head_dim, self.R
         self.vgroup = min(self.group, D)  # value groups run along head_dim
-        if self.group % cpw or self.R < self.group or self.R % self.group:
+        if self.group % cpw or R < self.group or R % self.group:
             raise ValueError(f"quant cache: group ({self.group}) must be a multiple of {cpw} and residual "
-                             f"({self.R}) a positive multiple of group")
+                             f"({R}) a positive multiple of group")
         if D % self.vgroup or D % cpw:
             raise ValueError(f"quant cache: head_dim {D} must be a multiple of {self.vgroup} and {cpw}")
         B, H, dev = spec.batch, spec.n_kv_heads, spec.device
-        nk = spec.max_len // self.R * self.R       # most key tokens ever quantized
-        nv = max(0, spec.max_len - self.R)         # most value tokens ever quantized
+        nk = -(-spec.max_len // R) * R     # key positions a decode bucket may cover
+        nv = nk + R                        # value positions the decode step's probabilities cover
         f16, i32 = torch.float16, torch.int32
         self.k_codes = torch.zeros(B, H, nk // cpw, D, dtype=i32, device=dev)
         self.k_scale = torch.zeros(B, H, nk // self.group, D, dtype=f16, device=dev)
@@ -49,86 +56,107 @@ class QuantCache(LayerCache):
         self.v_codes = torch.zeros(B, H, nv, D // cpw, dtype=i32, device=dev)
         self.v_scale = torch.zeros(B, H, nv, D // self.vgroup, dtype=f16, device=dev)
         self.v_min = torch.zeros_like(self.v_scale)
-        self.k_res = torch.zeros(B, H, self.R, D, dtype=spec.dtype, device=dev)
-        self.v_res = torch.zeros(B, H, 2 * self.R, D, dtype=spec.dtype, device=dev)  # window at [v0, v0+nvr)
+        self.k_res = torch.zeros(B, H, R, D, dtype=spec.dtype, device=dev)
+        self.v_ring = torch.zeros(B, H, R + 1, D, dtype=spec.dtype, device=dev)
+        self.nkq_dev = torch.zeros((), dtype=torch.long, device=dev)
         self.reset()
 
     def reset(self) -> None:
-        self.length = 0
-        self.nkq = 0   # quantized key tokens
-        self.nkr = 0   # exact key tokens in k_res
-        self.nvq = 0   # quantized value tokens
-        self.v0 = 0    # start of the value window in v_res
-        self.nvr = 0   # exact value tokens in the window
+        super().reset()
+        self.held = 0   # tokens stored
+        self.nkq = 0    # quantized key tokens
+        self.nkq_dev.zero_()
+        self._kb = 0
+
+    @property
+    def nvq(self) -> int:
+        return max(0, self.held - self.R)
 
     def truncate(self, length: int) -> None:
         if length == 0:
             self.reset()
-        elif length != self.length:
+        elif length != self.held:
             raise RuntimeError("the quant cache cannot be truncated (quantized tokens cannot be un-stored); "
                                "start a new chat (/reset)")
 
     # --- views of what is held -------------------------------------------------------------------------
-    def _keys_q(self):
-        cpw = codes_per_word(self.bits)
-        n, g = self.nkq, self.group
-        return self.k_codes[:, :, :n // cpw], self.k_scale[:, :, :n // g], self.k_min[:, :, :n // g]
-
-    def _values_q(self):
-        n = self.nvq
-        return self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_min[:, :, :n]
+    def _ring_slots(self, lo: int, hi: int) -> torch.Tensor:
+        return torch.arange(lo, hi, device=self.spec.device) % (self.R + 1)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All held tokens as the policy sees them: K, V [B, Hkv, length, D] in spec.dtype."""
-        dt = self.spec.dtype
-        k = torch.cat([dequantize_keys(*self._keys_q(), self.bits, self.group, dt), self.k_res[:, :, :self.nkr]], 2)
-        v = torch.cat([dequantize_values(*self._values_q(), self.bits, self.vgroup, dt),
-                       self.v_res[:, :, self.v0:self.v0 + self.nvr]], 2)
-        return k, v
+        """All held tokens as the policy sees them: K, V [B, Hkv, held, D] in spec.dtype."""
+        dt, cpw, g, n = self.spec.dtype, codes_per_word(self.bits), self.group, self.nkq
+        k = dequantize_keys(self.k_codes[:, :, :n // cpw], self.k_scale[:, :, :n // g], self.k_min[:, :, :n // g],
+                            self.bits, self.group, dt)
+        m = self.nvq
+        v = dequantize_values(self.v_codes[:, :, :m], self.v_scale[:, :, :m], self.v_min[:, :, :m], self.bits,
+                              self.vgroup, dt)
+        window = self.v_ring.index_select(2, self._ring_slots(m, self.held))
+        return torch.cat([k, self.k_res[:, :, :self.held - n]], 2), torch.cat([v, window], 2)
 
-    # --- attention ----------------------------------------------------------------------------------------
-    def attend(self, q, k, v, start_pos):
-        T = k.shape[2]
-        self.admit(start_pos, T)
-        if T == 1:
-            out = self._decode(q, k, v)
+    # --- one step -----------------------------------------------------------------------------------------
+    def plan(self, step):
+        self.last = {"tokens_attended": step.end}
+        if not step.decode:
+            return None
+        self._kb = bucket_for(self.nkq, self.k_codes.shape[2] * codes_per_word(self.bits)) if self.nkq else 0
+        return self._kb
+
+    def run(self, q, k, v, step):
+        if step.decode:
+            return self._decode(q, k, v, step.positions)
+        if self.held == 0:
+            out = causal_attention(q, k, v, 0)  # prefill: exact prompt K/V
         else:
-            if self.length == 0:
-                out = causal_attention(q, k, v, 0)  # prefill: exact prompt K/V
-            else:
-                kp, vp = self.dequantized()
-                out = causal_attention(q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start_pos)
-            self._store_keys(k)
-            self._store_values(v)
-        self.length = start_pos + T
+            kp, vp = self.dequantized()
+            out = causal_attention(q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), step.start)
+        self._store_values(v, step.start)
+        self._store_keys(k)
+        self.held = step.end
         return out
 
-    def _decode(self, q, k, v):
-        B, Hq, _, D = q.shape
-        H = self.spec.n_kv_heads
-        sm = softmax_scale(D)
-        self.k_res[:, :, self.nkr:self.nkr + 1] = k
-        self.nkr += 1
-        self._append_value_window(v)
-        kr = self.k_res[:, :, :self.nkr]
-        vr = self.v_res[:, :, self.v0:self.v0 + self.nvr]
-        qg = q.float().reshape(B, H, Hq // H, D)
-        s_res = (qg @ kr.float().transpose(-1, -2) * sm).reshape(B, Hq, 1, self.nkr)
-        if self.nkq:
-            s_q = qk_quant(q, *self._keys_q(), self.bits, self.group, sm_scale=sm)
-            scores = torch.cat([s_q, s_res], -1)
-        else:
-            scores = s_res
-        probs = torch.softmax(scores, -1)
-        p_res = probs[..., self.nvq:].reshape(B, H, Hq // H, self.nvr)
-        out = (p_res @ vr.float()).reshape(B, Hq, 1, D)
-        if self.nvq:
-            out = out + av_quant(probs[..., :self.nvq].contiguous(), *self._values_q(), self.bits, self.vgroup)
-        # store: flush a full key residual, move values beyond the window into the quantized part
-        if self.nkr == self.R:
+    def commit(self, step) -> None:
+        if not step.decode:
+            return
+        self.held += 1
+        if self.held - self.nkq == self.R:
             self._flush_keys(self.k_res)
-            self.nkr = 0
-        self._evict_values()
+
+    def _decode(self, q, k, v, p):
+        B, Hq, _, D = q.shape
+        H, R, G, dev = self.spec.n_kv_heads, self.R, Hq // self.spec.n_kv_heads, q.device
+        sm = softmax_scale(D)
+        # store: the key joins the residual; the value leaving the window (position p - R) is quantized
+        j = p - self.nkq_dev
+        self.k_res.index_copy_(2, j, k)
+        leaving = self.v_ring.index_select(2, (p + 1) % (R + 1))
+        self._put_values(quantize_values(leaving, self.bits, self.vgroup), (p - R).clamp_min(0))
+        self.v_ring.index_copy_(2, p % (R + 1), v)
+        # scores: the quantized keys of the bucket, then the residual slots
+        kb = self._kb
+        s_res = (q.float().reshape(B, H, G, D) @ self.k_res.float().transpose(-1, -2) * sm).reshape(B, Hq, 1, R)
+        s_res = s_res.masked_fill(torch.arange(R, device=dev) > j, float("-inf"))
+        if kb:
+            cpw, g = codes_per_word(self.bits), self.group
+            s_q = qk_quant(q, self.k_codes[:, :, :kb // cpw], self.k_scale[:, :, :kb // g],
+                           self.k_min[:, :, :kb // g], self.bits, self.group, sm_scale=sm)
+            s_q = s_q.masked_fill(torch.arange(kb, device=dev) >= self.nkq_dev, float("-inf"))
+            probs = torch.softmax(torch.cat([s_q, s_res], -1), -1)
+            at_pos = torch.zeros(B, Hq, 1, kb + R, dtype=torch.float32, device=dev)
+            at_pos[..., :kb] = probs[..., :kb]
+            at_pos.index_add_(3, self.nkq_dev + torch.arange(R, device=dev), probs[..., kb:])
+        else:
+            at_pos = torch.softmax(s_res, -1)  # nothing quantized yet: slot j is position j
+        # values: quantized before p - R; the ring's R + 1 slots hold p - R .. p exactly (p - R leaves the
+        # window after this step: it was quantized above for the steps after this one)
+        n = at_pos.shape[-1]
+        before = at_pos * (torch.arange(n, device=dev) < p - R)
+        out = av_quant(before, self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_min[:, :, :n], self.bits,
+                       self.vgroup)
+        back = (p - torch.arange(R + 1, device=dev)) % (R + 1)   # ring slot s holds position p - back[s]
+        in_window = back <= p
+        w = at_pos.gather(3, (p - back).clamp_min(0).expand(B, Hq, 1, R + 1)) * in_window
+        out = out + (w.reshape(B, H, G, R + 1) @ self.v_ring.float()).reshape(B, Hq, 1, D)
         return out.to(q.dtype)
 
     # --- storing ------------------------------------------------------------------------------------------
@@ -142,50 +170,33 @@ class QuantCache(LayerCache):
         self.k_scale[:, :, a // g:(a + n) // g] = scale
         self.k_min[:, :, a // g:(a + n) // g] = mn
         self.nkq += n
+        self.nkq_dev.fill_(self.nkq)
 
     def _store_keys(self, k: torch.Tensor) -> None:
-        allk = torch.cat([self.k_res[:, :, :self.nkr], k], 2)
+        allk = torch.cat([self.k_res[:, :, :self.held - self.nkq], k], 2)
         nflush = allk.shape[2] // self.R * self.R
         if nflush:
             self._flush_keys(allk[:, :, :nflush])
-        tail = allk.shape[2] - nflush
-        self.k_res[:, :, :tail] = allk[:, :, nflush:]
-        self.nkr = tail
+        self.k_res[:, :, :allk.shape[2] - nflush] = allk[:, :, nflush:]
 
-    def _quantize_values(self, block: torch.Tensor) -> None:
-        n = block.shape[2]
-        codes, scale, mn = quantize_values(block, self.bits, self.vgroup)
-        a = self.nvq
-        self.v_codes[:, :, a:a + n] = codes
-        self.v_scale[:, :, a:a + n] = scale
-        self.v_min[:, :, a:a + n] = mn
-        self.nvq += n
+    def _put_values(self, quantized, at: torch.Tensor) -> None:
+        for dst, src in zip((self.v_codes, self.v_scale, self.v_min), quantized):
+            dst.index_copy_(2, at, src)
 
-    def _append_value_window(self, v: torch.Tensor) -> None:
-        """Append one token to the exact value window (the window may briefly hold R + 1 tokens)."""
-        if self.v0 + self.nvr == self.v_res.shape[2]:  # at the end of the buffer: move the window to 0
-            self.v_res[:, :, :self.nvr] = self.v_res[:, :, self.v0:self.v0 + self.nvr].clone()
-            self.v0 = 0
-        self.v_res[:, :, self.v0 + self.nvr:self.v0 + self.nvr + 1] = v
-        self.nvr += 1
-
-    def _evict_values(self) -> None:
-        extra = self.nvr - self.R
-        if extra > 0:
-            self._quantize_values(self.v_res[:, :, self.v0:self.v0 + extra])
-            self.v0 += extra
-            self.nvr -= extra
-
-    def _store_values(self, v: torch.Tensor) -> None:
-        allv = torch.cat([self.v_res[:, :, self.v0:self.v0 + self.nvr], v], 2)
-        extra = max(0, allv.shape[2] - self.R)
-        if extra:
-            self._quantize_values(allv[:, :, :extra])
-        keep = allv.shape[2] - extra
-        self.v_res[:, :, :keep] = allv[:, :, extra:]
-        self.v0, self.nvr = 0, keep
+    def _store_values(self, v: torch.Tensor, start: int) -> None:
+        """Quantize the values that leave the window in this multi-token step; the ring takes the newest."""
+        end = start + v.shape[2]
+        lo, hi = self.nvq, max(0, end - self.R)
+        if hi > lo:
+            old = self.v_ring.index_select(2, self._ring_slots(lo, min(start, hi)))
+            new = v[:, :, max(lo, start) - start:hi - start] if hi > start else v[:, :, :0]
+            block = torch.cat([old, new], 2)
+            self._put_values(quantize_values(block, self.bits, self.vgroup), torch.arange(lo, hi, device=v.device))
+        first = max(start, end - self.R - 1)
+        self.v_ring.index_copy_(2, self._ring_slots(first, end), v[:, :, first - start:])
 
     # --- accounting ---------------------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        bufs = (self.k_codes, self.k_scale, self.k_min, self.v_codes, self.v_scale, self.v_min, self.k_res, self.v_res)
+        bufs = (self.k_codes, self.k_scale, self.k_min, self.v_codes, self.v_scale, self.v_min, self.k_res,
+                self.v_ring, self.nkq_dev)
         return sum(t.numel() * t.element_size() for t in bufs)

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.ops.attention import attention_with_mask, causal_attention
-from tailorkv.ops.page_select import page_scores, select_pages
+from tailorkv.ops.page_select import page_scores, select_pages, tokens_selected
 
 
 class QuestCache(LayerCache):
     name = "quest"
+    selects_tokens = True
 
     def __init__(self, spec: LayerSpec, settings: MethodSettings):
         super().__init__(spec)
@@ -35,26 +36,31 @@ class QuestCache(LayerCache):
         n_pages = math.ceil(spec.max_len / self.page)
         self.kmin = torch.zeros(B, H, n_pages, D, dtype=dt, device=dev)
         self.kmax = torch.zeros_like(self.kmin)
-        self.last: dict = {}
         self.selected: torch.Tensor | None = None  # token indices of the last sparse step (tests, debugging)
 
-    def attend(self, q, k, v, start_pos):
-        T = k.shape[2]
-        end = self.admit(start_pos, T)
-        self.k[:, :, start_pos:end] = k
-        self.v[:, :, start_pos:end] = v
-        self._update_pages(start_pos, end)
-        self.length = end
-        if T > 1 or end <= self.budget:
+    def plan(self, step):
+        end = step.end
+        if step.decode and end > self.budget:
+            n = tokens_selected(end, self.page, self.budget)
+            self.last = {"tokens_attended": n, "pages_selected": math.ceil(n / self.page)}
+        else:
             self.last = {"tokens_attended": end}
-            return causal_attention(q, self.k[:, :, :end], self.v[:, :, :end], start_pos)
+        return None
+
+    def run(self, q, k, v, step):
+        """Eager only (the number of pages grows with the length)."""
+        start, end = step.start, step.end
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self._update_pages(start, end)
+        if not step.decode or end <= self.budget:
+            return causal_attention(q, self.k[:, :, :end], self.v[:, :, :end], start)
         n_pages = math.ceil(end / self.page)
         scores = page_scores(q[:, :, 0], self.kmin[:, :, :n_pages], self.kmax[:, :, :n_pages])
         idx = select_pages(scores, end, self.page, self.budget)              # [B, H, n]
         gather = idx.unsqueeze(-1).expand(-1, -1, -1, self.spec.head_dim)
         ks = self.k.gather(2, gather)
         vs = self.v.gather(2, gather)
-        self.last = {"tokens_attended": idx.shape[2], "pages_selected": math.ceil(idx.shape[2] / self.page)}
         self.selected = idx
         return attention_with_mask(q, ks, vs)
 
@@ -68,18 +74,15 @@ class QuestCache(LayerCache):
         self.kmax[:, :, p0:p1] = F.pad(seg, (0, 0, 0, pad), value=float("-inf")).reshape(shape).amax(3)
 
     def reset(self) -> None:
-        self.length = 0
-        self.last = {}
+        super().reset()
         self.selected = None
 
+    def abort(self, step) -> None:
+        pass  # keys written past the length are never read; their pages are recomputed when rewritten
+
     def truncate(self, length: int) -> None:
-        if length < self.length:
-            self.length = length
-            if length % self.page:  # the new last page is partial: drop the forgotten keys from its bounds
-                self._update_pages(length - length % self.page, length)
+        if length % self.page:  # the new last page is partial: drop the forgotten keys from its bounds
+            self._update_pages(length - length % self.page, length)
 
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.kmin, self.kmax))
-
-    def stats(self) -> dict:
-        return dict(self.last)

@@ -48,6 +48,7 @@ def snap_scores(q_win: torch.Tensor, k: torch.Tensor, pool: int) -> torch.Tensor
 
 class SnapKVCache(LayerCache):
     name = "snapkv"
+    selects_tokens = True
 
     def __init__(self, spec: LayerSpec, settings: MethodSettings):
         super().__init__(spec)
@@ -59,10 +60,10 @@ class SnapKVCache(LayerCache):
         self.reset()
 
     def reset(self) -> None:
-        self.length = 0
+        super().reset()
+        self.seen = 0   # tokens stored so far
         self.n = 0      # slots held
-        self.base = 0   # length at the last compression: tokens from here on are held in order at the tail
-        self.last: dict = {}
+        self.base = 0   # `seen` at the last compression: tokens from here on are held in order at the tail
 
     def _ensure(self, slots: int) -> None:
         """Make the buffers at least `slots` long, keeping what is held."""
@@ -80,27 +81,29 @@ class SnapKVCache(LayerCache):
         """(K, V, positions) of the held slots: [B, H, n, D] x2 and [B, H, n]."""
         return self.k[:, :, :self.n], self.v[:, :, :self.n], self.pos[:, :, :self.n]
 
-    def attend(self, q, k, v, start_pos):
-        T = k.shape[2]
-        end = self.admit(start_pos, T)
-        new_pos = torch.arange(start_pos, end, device=k.device).expand(k.shape[0], k.shape[1], T)
-        if T == 1:
+    def plan(self, step):
+        self.last = {"tokens_attended": self.n + step.n}
+        return None
+
+    def run(self, q, k, v, step):
+        """Eager only (the held count grows with every token)."""
+        T, end = step.n, step.end
+        new_pos = step.positions.expand(k.shape[0], k.shape[1], T)
+        if step.decode:
             self._ensure(self.n + 1 + self.spec.max_len - end)
             self._append(k, v, new_pos)
             out = attention_with_mask(q, self.k[:, :, :self.n], self.v[:, :, :self.n])
-            self.last = {"tokens_attended": self.n}
         else:
             kh, vh, ph = self.held() if self.n else (k[:, :, :0], v[:, :, :0], new_pos[..., :0])
             kk, vv = (torch.cat([kh, k], 2), torch.cat([vh, v], 2)) if self.n else (k, v)
             out = causal_attention(q, kk, vv, self.n)
-            self.last = {"tokens_attended": self.n + T}
             total = self.n + T
             if total <= self.budget:
                 self._ensure(total + self.spec.max_len - end)
                 self._append(k, v, new_pos)
             else:
                 self._compress(q[:, :, -min(self.window, T):], kk, vv, torch.cat([ph, new_pos], 2), end)
-        self.length = end
+        self.seen = end
         return out
 
     def _append(self, k, v, pos) -> None:
@@ -123,13 +126,13 @@ class SnapKVCache(LayerCache):
         self.base = end
 
     def truncate(self, length: int) -> None:
-        if length >= self.length:
+        if length >= self.seen:
             return
         if length == 0:
             self.reset()
         elif length >= self.base:
-            self.n -= self.length - length
-            self.length = length
+            self.n -= self.seen - length
+            self.seen = length
         else:
             raise RuntimeError(f"snapkv cache compressed the context at position {self.base}: cannot go back "
                                f"to {length}; start a new chat (/reset)")
@@ -138,6 +141,3 @@ class SnapKVCache(LayerCache):
         if self.k is None:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos))
-
-    def stats(self) -> dict:
-        return dict(self.last)

@@ -23,6 +23,7 @@ from tailorkv.ops.attention import attention_with_mask, causal_attention
 
 class StreamingCache(LayerCache):
     name = "streamingllm"
+    selects_tokens = True
 
     def __init__(self, spec: LayerSpec, settings: MethodSettings):
         super().__init__(spec)
@@ -36,11 +37,11 @@ class StreamingCache(LayerCache):
         self.reset()
 
     def reset(self) -> None:
-        self.length = 0
+        super().reset()
+        self.seen = 0     # tokens stored so far (the ring's positions follow it)
         self.n_sink = 0   # sink tokens held (< sink only while length < sink)
         self.n_rec = 0    # recent tokens held in the ring
         self.head = 0     # next ring slot to write
-        self.last: dict = {}
 
     @property
     def held(self) -> int:
@@ -50,25 +51,29 @@ class StreamingCache(LayerCache):
         """Original position of the token in each held slot [0, held) (tests, debugging)."""
         ring = torch.arange(self.n_rec)
         oldest = (self.head - self.n_rec) % self.cap
-        ring_pos = self.length - self.n_rec + (ring - oldest) % self.cap
+        ring_pos = self.seen - self.n_rec + (ring - oldest) % self.cap
         return torch.cat([torch.arange(self.n_sink), ring_pos])
 
-    def attend(self, q, k, v, start_pos):
-        T = k.shape[2]
-        self.admit(start_pos, T)
-        if T == 1:
+    def plan(self, step):
+        if step.decode:
+            attended = min(self.sink, self.n_sink + 1) + min(self.cap, self.n_rec + (self.n_sink >= self.sink))
+            self.last = {"tokens_attended": attended}
+        else:
+            self.last = {"tokens_attended": self.held + step.n}
+        return None
+
+    def run(self, q, k, v, step):
+        """Eager only (the held count grows until the ring is full)."""
+        if step.decode:
             self._store(k, v)
             out = attention_with_mask(q, self.k[:, :, :self.held], self.v[:, :, :self.held])
-            attended = self.held
         else:
             n = self.held
             kk = torch.cat([self.k[:, :, :n], k], 2) if n else k
             vv = torch.cat([self.v[:, :, :n], v], 2) if n else v
             out = causal_attention(q, kk, vv, n)
-            attended = n + T
             self._store(k, v)
-        self.length = start_pos + T
-        self.last = {"tokens_attended": attended}
+        self.seen = step.end
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -95,12 +100,12 @@ class StreamingCache(LayerCache):
     def truncate(self, length: int) -> None:
         """Forget the newest tokens. Only possible while all of them are still held; afterwards the recent
         window is shorter than `cap` until new tokens refill it."""
-        if length >= self.length:
+        if length >= self.seen:
             return
         if length == 0:
             self.reset()
             return
-        oldest = self.length - self.n_rec  # position of the oldest recent token held
+        oldest = self.seen - self.n_rec  # position of the oldest recent token held
         if length < oldest and oldest != self.n_sink:
             raise RuntimeError(f"streamingllm cache already evicted tokens before position {oldest}: cannot "
                                f"go back to {length}; start a new chat (/reset)")
@@ -111,10 +116,7 @@ class StreamingCache(LayerCache):
             self.v[:, :, self.sink:self.sink + keep] = self.v[:, :, slots].clone()
         self.n_rec, self.head = keep, keep % self.cap
         self.n_sink = min(self.n_sink, length)
-        self.length = length
+        self.seen = length
 
     def device_bytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
-
-    def stats(self) -> dict:
-        return dict(self.last)

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec, ModelCache
+from tailorkv.engine.runner import Runner
 from tailorkv.ops.attention import causal_attention
 
 DEFAULT_N_Q = 32
@@ -93,13 +94,11 @@ class CalibrationCache(LayerCache):
     def p(self) -> float | None:
         return None if self.p_tensor is None else float(self.p_tensor)
 
-    def attend(self, q, k, v, start_pos):
-        if start_pos != 0:
+    def run(self, q, k, v, step):
+        if step.start != 0:
             raise RuntimeError("calibration takes the whole prompt in one prefill call")
-        t = k.shape[2]
         self.p_tensor = layer_p_tensor(q, k, self.n_q, self.top, q_offset=0)
-        self.n_keys = t
-        self.length = t
+        self.n_keys = k.shape[2]
         return causal_attention(q, k, v, 0)
 
     def reset(self) -> None:
@@ -107,8 +106,8 @@ class CalibrationCache(LayerCache):
         self.p_tensor = None
 
 
-def calibration_cache(cfg, n_q: int, top: float, batch: int, device, dtype) -> ModelCache:
-    layers = [CalibrationCache(LayerSpec(i, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 0, batch, dtype,
+def calibration_cache(cfg, n_q: int, top: float, batch: int, device, dtype, max_len: int) -> ModelCache:
+    layers = [CalibrationCache(LayerSpec(i, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, max_len, batch, dtype,
                                          torch.device(device)), n_q, top)
               for i in range(cfg.n_layers)]
     return ModelCache(layers, query_fn=None, method="calibration")
@@ -145,11 +144,11 @@ def profile_model(loaded, text_ids, n_q: int = DEFAULT_N_Q, top: float = DEFAULT
     if n_tok > cfg.max_context:
         raise ValueError(f"the calibration prompt has {n_tok} tokens but {loaded.name} supports "
                          f"{cfg.max_context}: lower --length")
-    cache = calibration_cache(cfg, n_q, top, ids.shape[0], device, model.output_weight.dtype)
+    cache = calibration_cache(cfg, n_q, top, ids.shape[0], device, model.output_weight.dtype, n_tok)
     n_layers = cfg.n_layers
     if progress is not None:
         cache.on_layer = lambda i, n: progress(i, n)
-    model(ids.to(device), 0, cache)
+    Runner(model, cache, use_cuda_graph=False).prefill(ids.to(device))
     if progress is not None:
         progress(n_layers, n_layers)
     p = [float(layer.p) for layer in cache.layers]

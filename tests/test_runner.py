@@ -1,0 +1,59 @@
+"""One runner under every command: a bench cell and a chat turn (Engine.generate, the loop `tailorkv run` uses)
+produce the same greedy tokens for the same prompt and method; the cache owns the length; an interrupted step
+leaves the cache as it was (or marks it for a rebuild)."""
+import pytest
+import torch
+
+from tailorkv.engine.bench import driver as B
+from tailorkv.engine.generate import Engine
+from tailorkv.engine.methods import build_cache
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.loader import load_model
+from helpers import write_tiny_folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_runner")
+    write_tiny_folder(folder, seed=11, hidden=128, n_heads=4, n_kv=2, head_dim=32)
+    return load_model(str(folder))
+
+
+SETTINGS = {"full": MethodSettings("full"),
+            "tailorkv": MethodSettings("tailorkv", quant_layers=[0], budget=48, sink=4, recent=12, channels=4)}
+
+
+@pytest.mark.parametrize("method", list(SETTINGS))
+def test_bench_cell_and_chat_turn_agree(tiny, method):
+    plan = B.BenchPlan(ctxs=[400], methods=[method], settings={method: SETTINGS[method]}, decode_steps=12, warmup=3)
+    cell = B.run_cell(tiny, method, 400, plan)
+    assert cell["status"] == "ok", cell.get("error")
+    prompt = B.bench_prompt(tiny, plan, 400)[0].tolist()
+    engine = Engine(tiny, build_cache(tiny, SETTINGS[method], 400))
+    engine.eos_ids = set()  # the bench never stops at EOS
+    n = plan.warmup + plan.decode_steps + 1
+    out, _ = engine.generate(prompt, max_new_tokens=n)
+    assert out == cell["greedy_tokens"] and len(out) == n
+    assert engine.cache.length == len(engine.tokens) == len(prompt) + n  # the last token is fed at the stop
+
+
+def test_interrupted_decode_step_leaves_the_cache_intact(tiny):
+    engine = Engine(tiny, build_cache(tiny, SETTINGS["tailorkv"], 300))
+    ids = torch.randint(3, 300, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    engine.forward(ids[:150])
+    want = engine.forward([ids[150]]).clone()
+    engine.reset()
+    engine.forward(ids[:150])
+    layer = engine.cache.layers[2]
+    inner = layer.selector
+
+    class Boom:
+        def select(self, *a):
+            raise KeyboardInterrupt
+    layer.selector = Boom()
+    with pytest.raises(KeyboardInterrupt):
+        engine.forward([ids[150]])
+    layer.selector = inner
+    assert engine.cache.length == 150 and engine.cache.intact
+    engine.recover()
+    assert torch.allclose(engine.forward([ids[150]]), want, atol=1e-6, rtol=0)
