@@ -146,6 +146,7 @@ DTYPES = {torch.bfloat16: ("bf16", "bf16"), torch.float16: ("f16", "f16"), torch
 KERNELS = [f"{k}_{n}" for n, _ in DTYPES.values() for k in ("rms_norm", "add_rms_norm", "rope")] + \
           [f"silu_mul_{n}_{v}" for n, _ in DTYPES.values() for v in ("v16", "v1")]
 
+
 def source() -> str:
     return _SOURCE + "".join(_ENTRIES.format(n=n, t=t) for n, t in DTYPES.values())
 
@@ -159,7 +160,7 @@ def _module(device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(code=source(), options=("-std=c++14",))
+        mod = cupy.RawModule(code=source())
         kernels = {name: mod.get_function(name) for name in KERNELS}
         for k in kernels.values():
             k.num_regs  # compiles and loads now, not inside a graph capture
@@ -173,13 +174,16 @@ def _launch(kernel, grid, block, args, device: torch.device) -> None:
     import cupy
 
     ts = torch.cuda.current_stream(device)
-    stream = _STREAMS.get(ts.cuda_stream)
-    if stream is None:  # CuPy 14 wraps foreign streams with from_external; ExternalStream is deprecated there
-        wrap = getattr(cupy.cuda.Stream, "from_external", None)
-        stream = wrap(ts) if wrap else cupy.cuda.ExternalStream(ts.cuda_stream, device.index)
-        _STREAMS[ts.cuda_stream] = stream
-    with cupy.cuda.Device(device.index), stream:
-        kernel(grid, block, args)
+    with cupy.cuda.Device(device.index):
+        stream = _STREAMS.get(ts.cuda_stream)
+        if stream is None:
+            try:  # CuPy 14: foreign streams through __cuda_stream__ (ExternalStream is deprecated there)
+                stream = cupy.cuda.Stream.from_external(ts)
+            except AttributeError:  # CuPy 13, or a torch stream without __cuda_stream__
+                stream = cupy.cuda.ExternalStream(ts.cuda_stream, device.index)
+            _STREAMS[ts.cuda_stream] = stream
+        with stream:
+            kernel(grid, block, args)
 
 
 def attributes(device_index: int = 0) -> dict:
@@ -199,12 +203,13 @@ def _ptr(t: torch.Tensor):
 def load_rms_norm(reference, add: bool):
     """The kernel for rms_norm (add=False, args (x, weight, eps)) or add_rms_norm (args (residual, x, weight, eps))."""
     _module(torch.cuda.current_device())
-    def norm_ok(x, weight, *others):
-        n, elt = x.shape[-1], x.element_size()
-        return (x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 1 and weight.numel() == n
+
+    def norm_ok(x, weight, *others):  # 16-byte rows of at most 4 vectors per thread, 1024 threads
+        n, elt = (x.shape[-1] if x.dim() else 0), x.element_size()
+        return (x.dtype in DTYPES and weight.dtype == x.dtype and weight.shape == (n,) and weight.device == x.device
                 and all(t.shape == x.shape and t.dtype == x.dtype and t.device == x.device for t in others)
-                and all(t.is_contiguous() for t in (x, weight, *others)) and weight.device == x.device
-                and n * elt % 16 == 0 and 0 < n * elt // 16 <= 1024 * 4 and _aligned(x, weight, *others))
+                and all(t.is_contiguous() for t in (x, weight, *others)) and _aligned(x, weight, *others)
+                and n * elt % 16 == 0 and 0 < n * elt // 16 <= 1024 * 4)
 
     def launch(x, weight, residual, eps):
         y = _empty(x.shape, x.dtype, x.device)

@@ -88,7 +88,7 @@ def test_host_tensors_take_the_reference():
 
 # ---- kernels against references (GPU) ----
 
-TOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-19}  # ~2 ulps; fp32: a few
+TOL = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9, torch.float32: 2.0**-19}  # 2 eps (fp32: 16: sum order)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | None = None):
@@ -156,9 +156,10 @@ def test_rope_kernel(dtype, hq, hkv, head_dim, theta, scaling, T):
         close(got_q, want_q, sq)
         close(got_k, want_k, sk)
         assert buf[..., hq + hkv, :].isnan().all() and buf[..., head_dim:].isnan().all(), "wrote outside q, k"
-    # frequencies that turn every pair far from the identity: an element left unwritten cannot pass
+    # large frequencies turn nearly every pair far from the identity: elements left unwritten would show
     inv = torch.rand(head_dim // 2, generator=g).add(0.5).cuda()
-    q, k = randn(1, hq, T, head_dim, g=g, dtype=dtype, device="cuda"), randn(1, hkv, T, head_dim, g=g, dtype=dtype, device="cuda")
+    q = randn(1, hq, T, head_dim, g=g, dtype=dtype, device="cuda")
+    k = randn(1, hkv, T, head_dim, g=g, dtype=dtype, device="cuda")
     pos = torch.randint(1, 4096, (T,), generator=g).cuda()
     sq, sk = pair_size(q), pair_size(k)
     want_q, want_k = rope_.reference(q.clone(), k.clone(), pos, inv)
