@@ -29,15 +29,16 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 
 
 @op("rope")
-def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
-    """Rotates q [B, Hq, T, D] and k [B, Hkv, T, D] in place (any strides; views of one qkv buffer are fine) for
-    absolute positions [T] (int64, on the device), inv_freq [D/2] fp32 as models.rope.inv_frequencies makes it.
-    Rotate-half layout; angle = position * inv_freq in fp32, cos/sin in fp32 cast to the activation dtype, then
-    out = (x * cos) -/+ rotate_half(x) * sin exactly as models.rope.Rope rounds it. Returns (q, k)."""
+def rope_(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor):
+    """Rotates q [B, Hq, T, D] and k [B, Hkv, T, D] (or None: q alone) in place (any strides; views of one qkv
+    buffer are fine) for absolute positions [T] (int64, on the device), inv_freq [D/2] fp32 as
+    models.rope.inv_frequencies makes it. Rotate-half layout; angle = position * inv_freq in fp32, cos/sin in fp32
+    cast to the activation dtype, then out = (x * cos) -/+ rotate_half(x) * sin rounded as models.rope.Rope
+    rounds it. Returns (q, k)."""
     ang = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([ang, ang], dim=-1)
     cos, sin = emb.cos(), emb.sin()
-    for x in (q, k):
+    for x in (q,) if k is None else (q, k):
         c, s = cos.to(x.dtype), sin.to(x.dtype)
         half = x.shape[-1] // 2
         out = x * c

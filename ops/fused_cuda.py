@@ -237,14 +237,15 @@ def load_rms_norm(reference, add: bool):
 def load_rope(reference):
     _module(torch.cuda.current_device())
 
-    def rope(q, k, positions, inv_freq):
+    def rope(q, k_or_none, positions, inv_freq):
         B, hq, T, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
-        if not (q.dtype in DTYPES and k.dtype == q.dtype and k.dim() == 4 and k.shape[0] == B
+        k = q[:, :0] if k_or_none is None and q.dim() == 4 else k_or_none
+        if not (q.dtype in DTYPES and k is not None and k.dtype == q.dtype and k.dim() == 4 and k.shape[0] == B
                 and k.shape[2:] == q.shape[2:] and D % 2 == 0 and 0 < D // 2 <= 1024 and q.stride(-1) == 1
                 and k.stride(-1) == 1 and positions.dtype == torch.int64 and positions.shape == (T,)
                 and positions.is_contiguous() and inv_freq.dtype == torch.float32 and inv_freq.shape == (D // 2,)
                 and inv_freq.is_contiguous() and q.device == k.device == positions.device == inv_freq.device):
-            return reference(q, k, positions, inv_freq)
+            return reference(q, k_or_none, positions, inv_freq)
         heads, half = hq + k.shape[1], D // 2
         if B * T and heads:
             hy = max(1, min(heads, 256 // half))
@@ -252,7 +253,7 @@ def load_rope(reference):
                     (_ptr(q), _ptr(k), _ptr(positions), _ptr(inv_freq), np.int32(hq), np.int32(k.shape[1]),
                      np.int32(T), np.int32(half), *(np.int64(s) for s in q.stride()[:3]),
                      *(np.int64(s) for s in k.stride()[:3])), q.device)
-        return q, k
+        return q, k_or_none
     return rope
 
 

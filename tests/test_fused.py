@@ -66,7 +66,9 @@ def test_rope_reference_is_the_models_rope(dtype, head_dim, theta, scaling, star
         rope.tables(start + T, "cpu")  # the graph path: a 0-dim position tensor
         assert torch.equal(rope(q, torch.tensor(start)), want_q)
         got_q, got_k = rope_(q.clone(), k.clone(), torch.arange(start, start + T), rope.inv_freq)
+        only_q, none = rope_(q.clone(), None, torch.arange(start, start + T), rope.inv_freq)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(only_q, want_q) and none is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -166,6 +168,10 @@ def test_rope_kernel(dtype, hq, hkv, head_dim, theta, scaling, T):
     rope_(q, k, pos, inv)
     close(q, want_q, sq)
     close(k, want_k, sk)
+    q = randn(1, hq, T, head_dim, g=g, dtype=dtype, device="cuda")  # q alone (a predicted query)
+    sq, (want_q, _) = pair_size(q), rope_.reference(q.clone(), None, pos, inv)
+    assert rope_(q, None, pos, inv)[1] is None
+    close(q, want_q, sq)
 
 
 @pytest.mark.cuda
