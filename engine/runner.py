@@ -23,7 +23,6 @@ class Runner:
     def __init__(self, model, cache: ModelCache, use_cuda_graph: bool = True):
         self.model, self.cache = model, cache
         self.device = model.output_weight.device
-        model.rope.tables(cache.max_len, self.device)  # every position a step may use, built once
         self.graphs = None
         if use_cuda_graph and self.device.type == "cuda" and cache.graph_safe:
             from tailorkv.engine.cuda_graph import DecodeGraphs

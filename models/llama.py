@@ -1,5 +1,10 @@
 """A plain-PyTorch Llama. It knows nothing about cache policies: each attention layer hands (q, k, v) to the
-ModelCache and gets the attention output back. Module names follow HF checkpoints, so state dicts load as is."""
+ModelCache and gets the attention output back.
+
+The projections that read the same input are one weight each, so a decode step reads them in one GEMV:
+`qkv_proj` holds the rows of HF's q_proj, k_proj and v_proj, `gate_up_proj` those of gate_proj and up_proj
+(`Llama.checkpoint_slot` tells a loader where each checkpoint tensor goes). The residual stream is updated in
+place with the next norm fused in (ops.fused: one kernel each on the GPU)."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +13,7 @@ from torch import nn
 
 from tailorkv.models.config import ModelConfig
 from tailorkv.models.rope import Rope
+from tailorkv.ops.fused import add_rms_norm, rms_norm, silu_mul_halves
 
 MLP_CHUNK = 4096  # prefill tokens per MLP call: bounds the [T, hidden_dim] activations
 
@@ -19,43 +25,63 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_then_norm(self, residual, x):
+        """residual += x (in place); returns norm(residual)."""
+        return add_rms_norm(residual, x, self.weight, self.eps)[0]
 
 
-class Attention(nn.Module):
+class Stacked:
+    """A module whose weight STACKED holds the rows of the checkpoint tensors PARTS, in order, of `sizes` rows."""
+    STACKED: str
+    PARTS: tuple[str, ...]
+    sizes: list[int]
+
+    def part_rows(self, part: str) -> tuple[int, int]:
+        i = self.PARTS.index(part)
+        return sum(self.sizes[:i]), sum(self.sizes[:i + 1])
+
+
+class Attention(nn.Module, Stacked):
+    STACKED, PARTS = "qkv_proj", ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.sizes = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
+        self.qkv_proj = nn.Linear(cfg.dim, sum(self.sizes), bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def heads(self, x, n):  # [B, T, n*hd] -> [B, n, T, hd]
+    def heads(self, x, n):  # [B, T, n*hd] -> [B, n, T, hd] (a view)
         b, t, _ = x.shape
         return x.view(b, t, n, self.hd).transpose(1, 2)
 
     def forward(self, x, positions, rope: Rope, attend):
-        q = rope(self.heads(self.q_proj(x), self.n_heads), positions)
-        k = rope(self.heads(self.k_proj(x), self.n_kv), positions)
-        v = self.heads(self.v_proj(x), self.n_kv)
-        o = attend(q, k, v)
+        q, k, v = self.qkv_proj(x).split(self.sizes, -1)
+        q, k = rope(self.heads(q, self.n_heads), self.heads(k, self.n_kv), positions)
+        o = attend(q, k, self.heads(v, self.n_kv))
         del q, k, v  # long prompts: free them before the output projection
         b, _, t, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
+    def query(self, x, positions, rope: Rope):
+        """This layer's roped query alone for input x [B, T, dim] -> [B, Hq, T, D] (reads only W_q)."""
+        q = F.linear(x, self.qkv_proj.weight[:self.sizes[0]])
+        return rope(self.heads(q, self.n_heads), None, positions)[0]
 
-class MLP(nn.Module):
+
+class MLP(nn.Module, Stacked):
+    STACKED, PARTS = "gate_up_proj", ("gate_proj", "up_proj")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.sizes = [cfg.hidden_dim, cfg.hidden_dim]
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)
         self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul_halves(self.gate_up_proj(x)))
 
 
 class Block(nn.Module):
@@ -66,19 +92,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, i, step, rope, cache):
-        x = self.input_layernorm(h)
+    def forward(self, h, x, i, step, rope, cache, next_norm: RMSNorm):
+        """x = this layer's normed input; h the residual stream (updated in place). Returns next_norm(h)."""
         cache.layer_input(i, x, step)
         attn = self.self_attn(x, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
         del x
-        h = h + attn if h.shape[1] <= MLP_CHUNK else h.add_(attn)  # long prompts: in place, h is ours
-        del attn
-        if h.shape[1] <= MLP_CHUNK:
-            return h + self.mlp(self.post_attention_layernorm(h))
-        for s in range(0, h.shape[1], MLP_CHUNK):  # in place: h is this layer's own tensor
+        out = torch.empty_like(h)
+        for s in range(0, h.shape[1], MLP_CHUNK):  # long prompts in chunks: [T, hidden_dim] stays bounded
             part = h[:, s:s + MLP_CHUNK]
-            part += self.mlp(self.post_attention_layernorm(part))
-        return h
+            m = self.mlp(self.post_attention_layernorm.add_then_norm(part, attn[:, s:s + MLP_CHUNK]))
+            out[:, s:s + MLP_CHUNK] = next_norm.add_then_norm(part, m)
+        return out
 
 
 class Inner(nn.Module):
@@ -101,19 +125,47 @@ class Llama(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def checkpoint_slot(self, name: str) -> tuple[str, int, int] | None:
+        """A checkpoint tensor stacked into a weight here -> (parameter name, first row, end row), else None;
+        e.g. 'model.layers.0.self_attn.k_proj.weight' -> ('model.layers.0.self_attn.qkv_proj.weight', Hq*D, ...)."""
+        module, _, leaf = name.rpartition(".")
+        parent, _, part = module.rpartition(".")
+        try:
+            owner = self.get_submodule(parent)
+        except AttributeError:
+            return None
+        if leaf != "weight" or not isinstance(owner, Stacked) or part not in owner.PARTS:
+            return None
+        return (f"{parent}.{owner.STACKED}.weight", *owner.part_rows(part))
+
+    def checkpoint_names(self) -> list[str]:
+        """The tensor names of an HF checkpoint of this model (stacked weights under their parts' names)."""
+        out = []
+        for name, _ in self.named_parameters():
+            module, _, _ = name.rpartition(".")
+            parent, _, child = module.rpartition(".")
+            owner = self.get_submodule(parent) if parent else None
+            if isinstance(owner, Stacked) and child == owner.STACKED:
+                out += [f"{parent}.{p}.weight" for p in owner.PARTS]
+            else:
+                out.append(name)
+        return out
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, step, cache, all_logits: bool = False) -> torch.Tensor:
         """tokens [B, T] of `step` (engine.step.Step: its positions, made by `cache.begin`); returns logits
         [B, T, V] (all_logits) or [B, V] (last)."""
         h = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, i, step, self.rope, cache)
+        layers = self.model.layers
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x = layer(h, x, i, step, self.rope, cache, nxt)
         if not all_logits:
-            h = h[:, -1:]
-        logits = F.linear(self.model.norm(h), self.output_weight).float()
+            x = x[:, -1:]
+        logits = F.linear(x, self.output_weight).float()
         return logits if all_logits else logits[:, -1]
 
     def project_query(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer layer_idx's roped query for normalized input x [B, T, dim] at `positions` -> [B, Hq, T, D]."""
-        attn = self.model.layers[layer_idx].self_attn
-        return self.rope(attn.heads(attn.q_proj(x), attn.n_heads), positions)
+        return self.model.layers[layer_idx].self_attn.query(x, positions, self.rope)

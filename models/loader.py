@@ -108,25 +108,37 @@ def _finish(model: Llama, device) -> Llama:
 
 
 def _place(cfg, tensors, total: int, device, dtype, progress: Progress | None) -> Llama:
-    """Move each tensor into its place as it arrives: no second copy of the weights is ever held."""
+    """Move each tensor into its place as it arrives: no second copy of the weights is ever held. Checkpoint
+    tensors that the model stacks into one weight (q/k/v, gate/up: Llama.checkpoint_slot) are copied into
+    their rows of it."""
     model = _skeleton(cfg)
     params = dict(model.named_parameters())
     seen = set()
     for n, (name, t) in enumerate(tensors):
-        if name not in params:
+        slot = model.checkpoint_slot(name)
+        target = slot[0] if slot else name
+        if target not in params:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             raise LoadError(f"unexpected tensor '{name}' in the weights: they do not belong to a Llama "
                             f"model of this config (check config.json matches the checkpoint)")
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise LoadError(f"tensor '{name}' has shape {tuple(t.shape)} but the config asks for "
-                            f"{tuple(params[name].shape)}: config.json does not match the weights")
-        module_name, _, pname = name.rpartition(".")
-        setattr(model.get_submodule(module_name), pname, nn.Parameter(t.to(device, dtype), requires_grad=False))
+        want = (slot[2] - slot[1], params[target].shape[1]) if slot else tuple(params[target].shape)
+        if tuple(t.shape) != want:
+            raise LoadError(f"tensor '{name}' has shape {tuple(t.shape)} but the config asks for {want}: "
+                            f"config.json does not match the weights")
+        module_name, _, pname = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        if slot is None:
+            setattr(module, pname, nn.Parameter(t.to(device, dtype), requires_grad=False))
+        else:
+            if getattr(module, pname).is_meta:
+                setattr(module, pname, nn.Parameter(torch.empty(params[target].shape, device=device, dtype=dtype),
+                                                    requires_grad=False))
+            getattr(module, pname)[slot[1]:slot[2]].copy_(t)
         seen.add(name)
         if progress:
             progress(n + 1, total)
-    missing = sorted(set(params) - seen)
+    missing = sorted(set(model.checkpoint_names()) - seen)
     if missing:
         raise LoadError(f"the weights lack {len(missing)} tensors (first: '{missing[0]}'): "
                         f"the checkpoint is incomplete or of another architecture")

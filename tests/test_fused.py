@@ -32,28 +32,43 @@ def randn(*shape, g, dtype=torch.float32, device="cpu", scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
 
 
-# ---- references against the model code (CPU) ----
+# ---- references against the plain formulas they replaced in the model (CPU) ----
+
+def norm_formula(x, w, eps):  # models.llama.RMSNorm before the fused ops
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_formula(x, positions, inv_freq):  # models.rope.Rope before the fused ops: fp32 tables, cast, rotate-half
+    emb = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat([emb, emb], -1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[:, :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[:, half:])
+    return out
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [576, 4096])
-def test_rms_norm_reference_is_the_models_rmsnorm(dtype, dim):
+def test_rms_norm_reference_is_the_formula(dtype, dim):
     g = gen(1)
     norm = RMSNorm(dim, 1e-5).to(dtype)
     norm.weight.data = randn(dim, g=g, dtype=dtype)
     h, a = randn(2, 37, dim, g=g, dtype=dtype, scale=3), randn(2, 37, dim, g=g, dtype=dtype)
     with torch.inference_mode():
-        assert torch.equal(rms_norm(h, norm.weight, 1e-5), norm(h))
-        want_h = h + a
-        want = norm(want_h)
+        want = norm_formula(h, norm.weight, 1e-5)
+        assert torch.equal(rms_norm(h, norm.weight, 1e-5), want) and torch.equal(norm(h), want)
         res = h.clone()
         y, res_out = add_rms_norm(res, a, norm.weight, 1e-5)
-    assert res_out is res and torch.equal(res, want_h) and torch.equal(y, want)
+    assert res_out is res and torch.equal(res, h + a) and torch.equal(y, norm_formula(h + a, norm.weight, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,theta,scaling", ROPES)
 @pytest.mark.parametrize("start,T", [(0, 1), (5, 37), (131071 - 36, 37), (131071, 1)])
-def test_rope_reference_is_the_models_rope(dtype, head_dim, theta, scaling, start, T):
+def test_rope_reference_is_the_formula(dtype, head_dim, theta, scaling, start, T):
     g = gen(2)
     cfg = ModelConfig(dim=4 * head_dim, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=8, vocab_size=8,
                       head_dim=head_dim)
@@ -61,26 +76,28 @@ def test_rope_reference_is_the_models_rope(dtype, head_dim, theta, scaling, star
     rope = Rope(head_dim, theta, scaling)
     q = attn.heads(randn(2, T, 4 * head_dim, g=g, dtype=dtype), 4)  # [B, H, T, D] views, as the model makes them
     k = attn.heads(randn(2, T, 2 * head_dim, g=g, dtype=dtype), 2)
+    pos = torch.arange(start, start + T)
     with torch.inference_mode():
-        want_q, want_k = rope(q, start), rope(k, start)
-        rope.tables(start + T, "cpu")  # the graph path: a 0-dim position tensor
-        assert torch.equal(rope(q, torch.tensor(start)), want_q)
-        got_q, got_k = rope_(q.clone(), k.clone(), torch.arange(start, start + T), rope.inv_freq)
-        only_q, none = rope_(q.clone(), None, torch.arange(start, start + T), rope.inv_freq)
+        want_q, want_k = rope_formula(q, pos, rope.inv_freq), rope_formula(k, pos, rope.inv_freq)
+        got_q, got_k = rope(q.clone(), k.clone(), pos)
+        only_q, none = rope_(q.clone(), None, pos, rope.inv_freq)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(only_q, want_q) and none is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_reference_is_the_models_mlp(dtype):
+def test_silu_mul_reference_is_the_formula(dtype):
     g = gen(3)
     cfg = ModelConfig(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, hidden_dim=96, vocab_size=8)
     mlp = MLP(cfg).to(dtype)
+    mlp.gate_up_proj.weight.data = randn(192, 64, g=g, dtype=dtype)
     x = randn(2, 37, 64, g=g, dtype=dtype)
     with torch.inference_mode():
-        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-        assert torch.equal(mlp.down_proj(silu_mul(gate, up)), mlp(x))
-        assert torch.equal(silu_mul_halves(torch.cat([gate, up], -1)), F.silu(gate) * up)
+        gate_up = mlp.gate_up_proj(x)
+        gate, up = gate_up[..., :96], gate_up[..., 96:]
+        assert torch.equal(mlp(x), mlp.down_proj(F.silu(gate) * up))
+        assert torch.equal(silu_mul(gate, up), F.silu(gate) * up)
+        assert torch.equal(silu_mul_halves(gate_up), F.silu(gate) * up)
 
 
 def test_host_tensors_take_the_reference():

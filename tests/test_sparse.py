@@ -260,8 +260,9 @@ def test_prediction_uses_next_layers_weights(gen):
 
     def by_hand(proj_layer, l):
         x = layers[l - 1].input_layernorm(inputs[l - 1])
-        q = layers[proj_layer].self_attn.q_proj(x).view(1, 1, 4, 32).transpose(1, 2)
-        return model.rope(q, torch.tensor([P]))
+        w_q = layers[proj_layer].self_attn.qkv_proj.weight[:4 * 32]  # q_proj's rows of the stacked weight
+        q = (x @ w_q.T).view(1, 1, 4, 32).transpose(1, 2)
+        return model.rope(q.clone(), None, torch.tensor([P]))[0]
     for l, q_hat in recorded.items():
         assert rel_err(q_hat, by_hand(l, l)) < 1e-6
         assert rel_err(q_hat, by_hand(l - 1, l)) > 0.1
