@@ -100,4 +100,7 @@ def test_sparse_decode_with_kernels_equals_reference(monkeypatch):
             steps.append(cache.attend(q, k, v, t))
         outs[kernels] = torch.cat(steps, 2)
     assert torch.isfinite(outs["1"]).all()
-    assert torch.equal(outs["1"], outs["0"])
+    # the kernels sum in another order (approx_scores) and return the chosen set in index order (topk_tokens),
+    # so the attended rows come in another order: equal up to fp32 rounding (on random fp32 data no score lands
+    # within rounding of the k-th)
+    torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-4, atol=1e-5)
