@@ -16,7 +16,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr, rows_contiguous
+from tailorkv.ops.cuda_launch import (
+    aligned,
+    compile_module,
+    launch,
+    ptr,
+    rows_contiguous,
+)
 from tailorkv.ops.quant_common_cuda import C_TYPES, HELPERS
 
 WARPS, STAGES, GROUP = 4, 3, 64
