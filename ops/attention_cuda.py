@@ -26,6 +26,7 @@ _SOURCE = r"""
 #define G {g}
 #define GP ((G + 3) / 4 * 4)
 #define PAD (GP > G ? GP - G : 1)
+#define NEG_INF __int_as_float(0xff800000u)    // NVRTC has no INFINITY
 #define CPL (D / 32)
 #define WARPS {warps}
 #define TILE {tile}
@@ -69,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) attend_partial(
     float m[G], l[G], acc[G][CPL];
     #pragma unroll
     for (int g = 0; g < G; ++g) {{
-        m[g] = -INFINITY; l[g] = 0.f;
+        m[g] = NEG_INF; l[g] = 0.f;
         #pragma unroll
         for (int j = 0; j < CPL; ++j) acc[g][j] = 0.f;
     }}
@@ -106,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) attend_partial(
         }}
         #pragma unroll
         for (int g = 0; g < G; ++g) {{
-            float mx = fmaxf(ok[0] ? s[0][g] * scale_log2 : -INFINITY, ok[1] ? s[1][g] * scale_log2 : -INFINITY);
+            float mx = fmaxf(ok[0] ? s[0][g] * scale_log2 : NEG_INF, ok[1] ? s[1][g] * scale_log2 : NEG_INF);
             for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
             const float mn = fmaxf(m[g], mx);                   // finite: the tile holds a key
             const float alpha = exp2f(m[g] - mn);
@@ -168,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) attend_partial(
         if (warp == w) {{
             #pragma unroll
             for (int g = 0; g < G; ++g) {{
-                const float f = wm[w][g] == -INFINITY ? 0.f : exp2f(wm[w][g] - bm[g]);
+                const float f = wm[w][g] == NEG_INF ? 0.f : exp2f(wm[w][g] - bm[g]);
                 #pragma unroll
                 for (int j = 0; j < CPL; ++j) {{
                     float& r = wacc[g][lane * CPL + j];
@@ -182,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) attend_partial(
     if (threadIdx.x < G) {{
         float lt = 0.f;
         for (int w = 0; w < WARPS; ++w)
-            lt += wm[w][threadIdx.x] == -INFINITY ? 0.f : exp2f(wm[w][threadIdx.x] - bm[threadIdx.x]) * wl[w][threadIdx.x];
+            lt += wm[w][threadIdx.x] == NEG_INF ? 0.f : exp2f(wm[w][threadIdx.x] - bm[threadIdx.x]) * wl[w][threadIdx.x];
         pm[o + threadIdx.x] = bm[threadIdx.x];
         pl[o + threadIdx.x] = lt;
     }}
@@ -201,7 +202,7 @@ extern "C" __global__ void attend_reduce(const float* __restrict__ pm, const flo
     const int len = (int)(L < 0 ? 0 : (L > N ? N : L));
     const int nc = (len + chunk - 1) / chunk;
     if (threadIdx.x < 32) {{
-        float M = -INFINITY;
+        float M = NEG_INF;
         for (int c = threadIdx.x; c < nc; c += 32) M = fmaxf(M, pm[((long long)c * BH + bh) * G + g]);
         for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
         float s = 0.f;
