@@ -280,8 +280,8 @@ def load():
         ntiles = -(-T // 16)
         tpb = WARPS * max(1, min(64, ntiles * B * Hkv // (WARPS * 1024)))
         chunks = -(-ntiles // tpb)
-        part = torch.empty(chunks, B * Hkv, G, D, dtype=torch.float32, device=probs.device)
         out = torch.empty(B, Hq, 1, D, dtype=torch.float32, device=probs.device)
+        part = torch.empty(chunks, B * Hkv, G, D, dtype=torch.float32, device=probs.device)
         launch(partial, (chunks, B * Hkv), (WARPS * 32,),
                (ptr(p), np.int64(p.stride(0)), np.int64(p.stride(1)),
                 ptr(v_codes), np.int64(v_codes.stride(0)), np.int64(v_codes.stride(1)),
