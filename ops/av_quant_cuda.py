@@ -24,6 +24,7 @@ from tailorkv.ops.cuda_launch import (
     launch,
     ptr,
     rows_contiguous,
+    units_per_block,
 )
 from tailorkv.ops.quant_common_cuda import HELPERS
 
@@ -278,7 +279,7 @@ def load():
             kernels[key] = (mod.get_function("av_quant_partial"), mod.get_function("av_quant_reduce"))
         partial, reduce = kernels[key]
         ntiles = -(-T // 16)
-        tpb = WARPS * max(1, min(64, ntiles * B * Hkv // (WARPS * 1024)))
+        tpb = units_per_block(ntiles * B * Hkv, WARPS, probs.device)
         chunks = -(-ntiles // tpb)
         out = torch.empty(B, Hq, 1, D, dtype=torch.float32, device=probs.device)
         part = torch.empty(chunks, B * Hkv, G, D, dtype=torch.float32, device=probs.device)

@@ -22,6 +22,7 @@ from tailorkv.ops.cuda_launch import (
     launch,
     ptr,
     rows_contiguous,
+    units_per_block,
 )
 from tailorkv.ops.quant_common_cuda import C_TYPES, HELPERS
 
@@ -232,8 +233,7 @@ def load():
         if key not in kernels:
             kernels[key] = compile_module(source(*key)).get_function("qk_quant_kernel")
         ngroups = -(-nrows // (GROUP * bits // 32))
-        iters = max(1, min(16, ngroups * B * Hkv // (WARPS * 132 * 6)))
-        gpb = WARPS * iters
+        gpb = units_per_block(ngroups * B * Hkv, WARPS, q.device)
         launch(kernels[key], (-(-ngroups // gpb), B * Hkv), (WARPS * 32,),
                (ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
                 ptr(k_codes), np.int64(k_codes.stride(0)), np.int64(k_codes.stride(1)),
