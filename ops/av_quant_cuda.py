@@ -34,6 +34,8 @@ _SOURCE = r"""
 #define BITS {bits}
 #define D {d}
 #define MT {mt}
+#define CU {cu}                        // staging units (bytes) of the codes and of the scales / mins
+#define SU {su}
 #define CPW (32 / BITS)
 #define WPT (D / CPW)                 // code words per token
 #define VG (D < 64 ? D : 64)          // channels per scale group
@@ -84,16 +86,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) av_quant_partial(
     auto issue = [&](int i) {{
         const int t0 = (first + i * WARPS) * 16, nval = min(16, T - t0);
         unsigned* dst = stage[warp][i % STAGES];
-        for (int j = lane; j < 4 * WPT; j += 32) {{   // 16 tokens x WPT words = 4 * WPT chunks of 16 bytes
-            const int v = nval * WPT * 4 - 16 * j;
-            cp_async16(dst + 4 * j, v > 0 ? cbase + (long long)t0 * WPT + 4 * j : cbase, v > 16 ? 16 : (v > 0 ? v : 0));
-        }}
-        for (int j = lane; j < 2 * NGD; j += 32) {{   // 16 tokens x NGD halves = 2 * NGD chunks
-            const int v = nval * NGD * 2 - 16 * j;
-            const unsigned n = v > 16 ? 16 : (v > 0 ? v : 0);
-            cp_async16(dst + OFF_S + 4 * j, v > 0 ? sbase + (long long)t0 * NGD + 8 * j : sbase, n);
-            cp_async16(dst + OFF_M + 4 * j, v > 0 ? mbase + (long long)t0 * NGD + 8 * j : mbase, n);
-        }}
+        stage_copy<CU>(dst, cbase + (long long)t0 * WPT, 64 * WPT, nval * WPT * 4, lane);   // 16 tokens x WPT words
+        stage_copy<SU>(dst + OFF_S, sbase + (long long)t0 * NGD, 32 * NGD, nval * NGD * 2, lane);
+        stage_copy<SU>(dst + OFF_M, mbase + (long long)t0 * NGD, 32 * NGD, nval * NGD * 2, lane);
         for (int j = lane; j < 16 * G; j += 32) {{    // probs rows may be unaligned: 4 bytes at a time
             const int h = j >> 4, t = j & 15;
             cp_async4(dst + OFF_P + j, t < nval ? pbase + h * psh + t0 + t : pbase, t < nval ? 4 : 0);
@@ -234,8 +229,13 @@ extern "C" __global__ void av_quant_reduce(const float* __restrict__ part, float
 """
 
 
-def source(bits: int, d: int, mt: int) -> str:
-    return HELPERS + _SOURCE.format(bits=bits, d=d, mt=mt, warps=WARPS, stages=STAGES)
+def source(bits: int, d: int, mt: int, cu: int = 16, su: int = 16) -> str:
+    return HELPERS + _SOURCE.format(bits=bits, d=d, mt=mt, cu=cu, su=su, warps=WARPS, stages=STAGES)
+
+
+def _unit(tensors, units) -> int:
+    """The widest copy unit that every tensor's base and (batch, head) strides are aligned to."""
+    return next(u for u in units if all(aligned(t, u, (0, 1)) for t in tensors))
 
 
 def _supported(probs, v_codes, v_scale, v_min, bits, group) -> bool:
@@ -251,7 +251,7 @@ def _supported(probs, v_codes, v_scale, v_min, bits, group) -> bool:
             and v_codes.shape[:3] == (B, Hkv, T) and v_scale.shape == (B, Hkv, T, D // group)
             and v_min.shape == v_scale.shape
             and all(t.is_cuda and t.device == probs.device for t in (v_codes, v_scale, v_min))
-            and all(rows_contiguous(t, 2) and aligned(t, 16, (0, 1)) for t in (v_codes, v_scale, v_min)))
+            and all(rows_contiguous(t, 2) for t in (v_codes, v_scale, v_min)))
 
 
 def load():
@@ -273,7 +273,7 @@ def load():
             return torch.zeros(B, Hq, 1, D, dtype=torch.float32, device=probs.device)
         p = probs if probs.dtype == torch.float32 else probs.float()
         mt = -(-3 * G // 16)
-        key = (bits, D, mt)
+        key = (bits, D, mt, _unit([v_codes], (16, 8, 4)), _unit([v_scale, v_min], (16, 8, 4, 2)))
         if key not in kernels:
             mod = compile_module(source(*key))
             kernels[key] = (mod.get_function("av_quant_partial"), mod.get_function("av_quant_reduce"))

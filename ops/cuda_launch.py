@@ -55,10 +55,11 @@ def ptr(t: torch.Tensor) -> np.uint64:
 
 
 def aligned(t: torch.Tensor, nbytes: int, dims=None) -> bool:
-    """The base address and the byte strides of `dims` (default: all but the last) are multiples of nbytes."""
+    """The base address and the byte strides of `dims` (default: all but the last; a dimension of size 1 has no
+    stride that matters) are multiples of nbytes."""
     dims = range(t.dim() - 1) if dims is None else dims
     elt = t.element_size()
-    return t.data_ptr() % nbytes == 0 and all((t.stride(d) * elt) % nbytes == 0 for d in dims)
+    return t.data_ptr() % nbytes == 0 and all(t.shape[d] == 1 or (t.stride(d) * elt) % nbytes == 0 for d in dims)
 
 
 def rows_contiguous(t: torch.Tensor, ndim_inner: int = 1) -> bool:

@@ -35,9 +35,29 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, unsigned 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(d), "l"(src), "r"(valid));
 }
 
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, unsigned valid) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" :: "r"(d), "l"(src), "r"(valid));
+}
+
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, unsigned valid) {
     unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(d), "l"(src), "r"(valid));
+}
+
+// a warp stages `total` bytes from src to shared dst in units of U bytes (16/8/4: cp.async; 2: plain loads),
+// zero-filling from byte `valid` on; src (and dst) must be U-byte aligned and src readable
+template <int U> __device__ __forceinline__ void stage_copy(void* dst, const void* src, int total, int valid,
+                                                            int lane) {
+    for (int j = lane; j < total / U; j += 32) {
+        const int v = min(max(valid - U * j, 0), U);
+        const char* s = static_cast<const char*>(src) + (v > 0 ? U * j : 0);
+        char* d = static_cast<char*>(dst) + U * j;
+        if (U == 16) cp_async16(d, s, v);
+        else if (U == 8) cp_async8(d, s, v);
+        else if (U == 4) cp_async4(d, s, v);
+        else *reinterpret_cast<unsigned short*>(d) = v > 0 ? *reinterpret_cast<const unsigned short*>(s) : 0;
+    }
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -125,6 +125,22 @@ def test_av_quant_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("bits,D,hq,hkv", [(1, 64, 9, 3), (2, 128, 32, 8), (1, 128, 8, 8)])
+def test_av_quant_kernel_reads_views_of_an_odd_sized_buffer(bits, D, hq, hkv):
+    """The policy's buffers hold max_len - 128 value tokens, often odd: heads are then only 2-, 4- or 8-byte
+    aligned, and the kernel stages them in smaller units."""
+    g = torch.Generator().manual_seed(SEED + 13 + D)
+    group = min(64, D)
+    vc, vs, vm = (t.cuda() for t in quantize_values(torch.randn(1, hkv, 1001, D, generator=g), bits, group))
+    n = 555
+    views = vc[:, :, :n], vs[:, :, :n], vm[:, :, :n]
+    probs = torch.softmax(torch.randn(1, hq, 1, n, generator=g) * 3, -1).cuda()
+    assert dispatch.kernel_for("av_quant", probs, *views) is not None
+    got = av_quant(probs, *views, bits, group)
+    assert rel_err(got, av_quant.reference(probs, *views, bits, group)) < 1e-5
+
+
+@pytest.mark.cuda
 def test_av_quant_kernel_is_deterministic_and_captured_in_a_graph():
     g = torch.Generator().manual_seed(SEED + 11)
     vc, vs, vm = (t.cuda() for t in quantize_values(torch.randn(1, 8, 5000, 128, generator=g), 1, 64))
