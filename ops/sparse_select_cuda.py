@@ -74,6 +74,7 @@ extern "C" __global__ void __launch_bounds__(128) approx_scores_kernel(
 _TOPK = r"""
 #define THREADS 1024
 #define WARPS (THREADS / 32)
+#define BATCH 4                        // slots each lane has in flight
 #define FULL 0xffffffffu
 
 __device__ __forceinline__ unsigned fkey(float f) {   // larger float -> larger key (NaN above +inf)
@@ -137,13 +138,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         const int shift = pass == 0 ? 20 : (pass == 1 ? 8 : 0), nb = pass < 2 ? 4096 : 256;
         for (int i = threadIdx.x; i < nb; i += THREADS) hist[i] = 0;
         __syncthreads();
-        #pragma unroll 2
-        for (long long V = s0 + lane; V < s1; V += 32) {
-            unsigned key[4];
-            const unsigned vm = load_slot(row, V, off, N, key);
+        for (long long V = s0 + lane; V < s1; V += 32 * BATCH) {
+            unsigned key[BATCH][4], vm[BATCH];
+            #pragma unroll
+            for (int u = 0; u < BATCH; ++u) vm[u] = V + 32 * u < s1 ? load_slot(row, V + 32 * u, off, N, key[u]) : 0u;
+            #pragma unroll
+            for (int u = 0; u < BATCH; ++u)
             #pragma unroll
             for (int j = 0; j < 4; ++j)
-                if ((vm >> j & 1u) && (key[j] & mask) == prefix) atomicAdd(&hist[(key[j] >> shift) & (nb - 1)], 1);
+                if ((vm[u] >> j & 1u) && (key[u][j] & mask) == prefix)
+                    atomicAdd(&hist[(key[u][j] >> shift) & (nb - 1)], 1);
         }
         __syncthreads();
         // bins from the top: thread t owns bins nb-1-t*per .. nb-per-t*per
@@ -167,12 +171,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
     }
     // prefix is now the k-th largest key: take every key above it and the first kk keys equal to it
     int gt = 0, eq = 0;
-    #pragma unroll 2
-    for (long long V = s0 + lane; V < s1; V += 32) {
-        unsigned key[4];
-        const unsigned vm = load_slot(row, V, off, N, key);
+    for (long long V = s0 + lane; V < s1; V += 32 * BATCH) {
+        unsigned key[BATCH][4], vm[BATCH];
         #pragma unroll
-        for (int j = 0; j < 4; ++j) if (vm >> j & 1u) { gt += key[j] > prefix; eq += key[j] == prefix; }
+        for (int u = 0; u < BATCH; ++u) vm[u] = V + 32 * u < s1 ? load_slot(row, V + 32 * u, off, N, key[u]) : 0u;
+        #pragma unroll
+        for (int u = 0; u < BATCH; ++u)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) if (vm[u] >> j & 1u) { gt += key[u][j] > prefix; eq += key[u][j] == prefix; }
     }
     #pragma unroll
     for (int o = 16; o; o >>= 1) { gt += __shfl_xor_sync(FULL, gt, o); eq += __shfl_xor_sync(FULL, eq, o); }
@@ -181,30 +187,37 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
     int gbase = 0, ebase = 0;
     for (int w = 0; w < warp; ++w) { gbase += wgt[w]; ebase += weq[w]; }
     long long* o = out + (long long)bh * k;
-    for (long long V0 = s0; V0 < s1; V0 += 32) {          // warp-uniform loop: 32 slots per step
-        const long long V = V0 + lane;
-        unsigned key[4] = {0u, 0u, 0u, 0u};
-        const unsigned vm = V < s1 ? load_slot(row, V, off, N, key) : 0u;
-        int cg = 0, ce = 0;
+    for (long long V0 = s0; V0 < s1; V0 += 32 * BATCH) {  // warp-uniform loop: BATCH steps of 32 slots
+        unsigned key[BATCH][4], vm[BATCH];
         #pragma unroll
-        for (int j = 0; j < 4; ++j) if (vm >> j & 1u) { cg += key[j] > prefix; ce += key[j] == prefix; }
-        int ig = cg, ie = ce;                              // inclusive scans over the lanes
-        #pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int yg = __shfl_up_sync(FULL, ig, d), ye = __shfl_up_sync(FULL, ie, d);
-            if (lane >= d) { ig += yg; ie += ye; }
+        for (int u = 0; u < BATCH; ++u) {
+            const long long V = V0 + 32 * u + lane;
+            vm[u] = V < s1 ? load_slot(row, V, off, N, key[u]) : 0u;
         }
-        int g_before = gbase + ig - cg, e_before = ebase + ie - ce;
         #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (!(vm >> j & 1u)) continue;
-            const bool is_gt = key[j] > prefix, is_eq = key[j] == prefix;
-            if (is_gt || (is_eq && e_before < kk)) o[g_before + min(e_before, kk)] = 4 * V - off + j;
-            g_before += is_gt;
-            e_before += is_eq;
+        for (int u = 0; u < BATCH; ++u) {
+            int cg = 0, ce = 0;
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) if (vm[u] >> j & 1u) { cg += key[u][j] > prefix; ce += key[u][j] == prefix; }
+            int ig = cg, ie = ce;                          // inclusive scans over the lanes
+            #pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int yg = __shfl_up_sync(FULL, ig, d), ye = __shfl_up_sync(FULL, ie, d);
+                if (lane >= d) { ig += yg; ie += ye; }
+            }
+            int g_before = gbase + ig - cg, e_before = ebase + ie - ce;
+            const long long V = V0 + 32 * u + lane;
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (!(vm[u] >> j & 1u)) continue;
+                const bool is_gt = key[u][j] > prefix, is_eq = key[u][j] == prefix;
+                if (is_gt || (is_eq && e_before < kk)) o[g_before + min(e_before, kk)] = 4 * V - off + j;
+                g_before += is_gt;
+                e_before += is_eq;
+            }
+            gbase += __shfl_sync(FULL, ig, 31);
+            ebase += __shfl_sync(FULL, ie, 31);
         }
-        gbase += __shfl_sync(FULL, ig, 31);
-        ebase += __shfl_sync(FULL, ie, 31);
     }
 }
 """
