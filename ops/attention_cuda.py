@@ -123,8 +123,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) attend_partial(
         __syncwarp();
         const int nk = min(TILE, len - t0);
         const ktype* vt = vb + (long long)t0 * vsn + lane * CPL;
-        #pragma unroll 4
-        for (int kk = 0; kk < nk; ++kk) {{
+        #pragma unroll 8
+        for (int kk = 0; kk < nk; ++kk) {{                    // 8 V rows in flight per lane
             float vf[CPL];
             if (CPL == 4) {{
                 const uint2 u = __ldg(reinterpret_cast<const uint2*>(vt + (long long)kk * vsn));
