@@ -1,10 +1,14 @@
-"""Dense causal attention with GQA (no repeat of KV heads), for any query offset."""
+"""Dense causal attention with GQA (no repeat of KV heads), for any query offset; decode attention over a
+preallocated buffer with a device-side length (attend_decode, CUDA kernel in ops/attention_cuda.py)."""
 from __future__ import annotations
 
 import math
 
 import torch
 import torch.nn.functional as F
+
+from tailorkv.ops import attention_cuda
+from tailorkv.ops.dispatch import op, register_kernel
 
 QUERY_CHUNK = 2048
 
@@ -49,3 +53,25 @@ def attention_with_mask(q, k, v, mask=None):
 
 def softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+@op("attend_decode")
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
+                  sm_scale: float | None = None) -> torch.Tensor:
+    """q [B, Hq, 1, D]; k, v [B, Hkv, N, D]: a buffer whose first `length` slots hold the keys (the rest is never
+    read); length: int64 tensor, 0-dim or [B], on q's device (clamped to [0, N]) -> [B, Hq, 1, D] in q's dtype.
+    Scores and softmax in fp32, GQA without repeat_kv; a row of length 0 gives zeros."""
+    B, Hq, _, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    scale = softmax_scale(D) if sm_scale is None else sm_scale
+    n = length.to(q.device).reshape(-1, 1, 1, 1).expand(B, 1, 1, 1)
+    valid = torch.arange(N, device=q.device) < n                                       # [B, 1, 1, N]
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
+    kz = k.float().masked_fill(~valid.transpose(-1, -2), 0.0)
+    vz = v.float().masked_fill(~valid.transpose(-1, -2), 0.0)
+    scores = (qg @ kz.transpose(-1, -2) * scale).masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, -1).masked_fill(n <= 0, 0.0)                       # length 0: no keys
+    return (probs @ vz).reshape(B, Hq, 1, D).to(q.dtype)
+
+
+register_kernel("attend_decode", attention_cuda.load)

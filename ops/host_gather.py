@@ -13,13 +13,20 @@ from tailorkv.ops.dispatch import op, register_kernel
 
 
 @op("gather_rows")
-def gather_rows(host: torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+def gather_rows(host: torch.Tensor, idx: torch.Tensor, device: torch.device,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """host [B, H, N, X] (a view with unit stride along X is fine); idx [B, H, n] row indices into N
-    -> [B, H, n, X] on `device`."""
+    -> [B, H, n, X] on `device`. With `out` ([B, H, n, X], host's dtype, on `device`) the rows are written
+    there and `out` is returned (a preallocated, e.g. double-buffered, destination)."""
     B, H, n = idx.shape
     i = idx.to(host.device, torch.int64)
     rows = host.gather(2, i[..., None].expand(B, H, n, host.shape[-1]))
-    return rows.to(device)
+    if out is None:
+        return rows.to(device)
+    if out.shape != rows.shape or out.dtype != rows.dtype:
+        raise ValueError(f"gather_rows: out is {tuple(out.shape)} {out.dtype}, expected {tuple(rows.shape)} "
+                         f"{rows.dtype}")
+    return out.copy_(rows)
 
 
 register_kernel("gather_rows", host_gather_cuda.load)

@@ -4,7 +4,10 @@ needs no sync. One thread block per gathered row; the copy width is the widest w
 that divides the row length, the strides and the base address."""
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 
 _SOURCE = r"""
 extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, const unsigned long long idx_addr,
@@ -25,32 +28,37 @@ _WORDS = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned 
 
 def load():
     import cupy
-    import numpy as np
 
-    mod = cupy.RawModule(code="\n".join(_SOURCE.format(W=w, T=t) for w, t in _WORDS.items()))
+    mod = compile_module("\n".join(_SOURCE.format(W=w, T=t) for w, t in _WORDS.items()))
     kernels = {w: mod.get_function(f"gather_rows_w{w}") for w in _WORDS}
     if not cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["unifiedAddressing"]:
         raise RuntimeError("no unified addressing: pinned host pointers are not device pointers")
+    from tailorkv.ops.host_gather import gather_rows as op
+    reference = op.reference
 
-    def gather_rows(host: torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def gather_rows(host: torch.Tensor, idx: torch.Tensor, device: torch.device,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel needs host rows of unit stride and a contiguous `out` on idx's device, of host's dtype
+        and shape [B, H, n, X]; anything else goes to the torch reference (which syncs on device indices)."""
         B, H, n = idx.shape
         X, elt = host.shape[-1], host.element_size()
-        if host.stride(-1) != 1:
-            raise ValueError("gather_rows kernel: the host rows need unit stride")
-        out = torch.empty(B, H, n, X, dtype=host.dtype, device=idx.device)
+        if host.stride(-1) != 1 or (out is not None and (
+                out.shape != (B, H, n, X) or out.dtype != host.dtype or not out.is_contiguous()
+                or out.device != idx.device)):
+            return reference(host, idx, device, out)
+        if out is None:
+            out = torch.empty(B, H, n, X, dtype=host.dtype, device=idx.device)
         if out.numel() == 0:
             return out
         src = host.data_ptr()  # pinned memory under UVA: the host address is the device address
         strides = [host.stride(0) * elt, host.stride(1) * elt, host.stride(2) * elt, X * elt, src]
         w = next(w for w in _WORDS if all(s % w == 0 for s in strides))
-        idx64 = idx.to(torch.int64).contiguous()
+        idx64 = idx if idx.dtype == torch.int64 and idx.is_contiguous() else idx.to(torch.int64).contiguous()
         threads = min(256, max(32, X * elt // w))
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(idx.device).cuda_stream)
-        with cupy.cuda.Device(idx.device.index), stream:
-            kernels[w]((B * H * n,), (threads,),
-                       (np.uint64(src), np.uint64(idx64.data_ptr()), np.uint64(out.data_ptr()), np.int32(H),
-                        np.int32(n), np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),
-                        np.int64(host.stride(2) * elt // w), np.int32(X * elt // w)))
+        launch(kernels[w], (B * H * n,), (threads,),
+               (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n),
+                np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),
+                np.int64(host.stride(2) * elt // w), np.int32(X * elt // w)), idx.device)
         return out
 
     return gather_rows

@@ -2,13 +2,15 @@
 
 Query head h reads KV head h // (Hq // Hkv): q is viewed as [B, Hkv, group, D], so each KV head's packed data
 is read once for its whole query group. The torch references dequantize a chunk of tokens at a time (bounded
-memory) and multiply in fp32; a fused CUDA kernel may replace them through the dispatch rule.
+memory) and multiply in fp32; the fused CUDA kernels (ops/qk_quant_cuda.py, ops/av_quant_cuda.py) replace them
+through the dispatch rule.
 """
 from __future__ import annotations
 
 import torch
 
-from tailorkv.ops.dispatch import op
+from tailorkv.ops import av_quant_cuda, qk_quant_cuda
+from tailorkv.ops.dispatch import op, register_kernel
 from tailorkv.ops.quant import codes_per_word, dequantize_keys, dequantize_values
 
 CHUNK = 8192  # tokens dequantized at once by the references (a multiple of every group size in use)
@@ -48,3 +50,7 @@ def av_quant(probs: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, 
         v = dequantize_values(v_codes[:, :, s:e], v_scale[:, :, s:e], v_min[:, :, s:e], bits, group)
         out += pg[..., s:e] @ v
     return out.reshape(B, Hq, 1, D)
+
+
+register_kernel("qk_quant", qk_quant_cuda.load)
+register_kernel("av_quant", av_quant_cuda.load)

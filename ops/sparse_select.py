@@ -5,13 +5,15 @@ GQA: query head h belongs to KV head h // G (G = Hq // Hkv), so q [B, Hq, 1, D] 
 2. topk_channels:  the r best channels per KV head              -> [B, Hkv, r]
 3. approx_scores:  q . K over those r channels only, summed over the group -> [B, Hkv, N]
 4. topk_tokens:    the K best tokens per KV head                 -> [B, Hkv, K]
-A CUDA kernel may replace each one through the dispatch rule (ops.dispatch).
+A CUDA kernel may replace each one through the dispatch rule (ops.dispatch); approx_scores and topk_tokens
+have one (ops/sparse_select_cuda.py).
 """
 from __future__ import annotations
 
 import torch
 
-from tailorkv.ops.dispatch import op
+from tailorkv.ops import sparse_select_cuda
+from tailorkv.ops.dispatch import op, register_kernel
 
 
 def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -34,16 +36,28 @@ def topk_channels(scores: torch.Tensor, r: int) -> torch.Tensor:
 
 
 @op("approx_scores")
-def approx_scores(q: torch.Tensor, kt_rows: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+def approx_scores(q: torch.Tensor, kt_rows: torch.Tensor, channels: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, 1, D]; kt_rows [B, Hkv, r, N] (rows of K^T for `channels`, N tokens); channels [B, Hkv, r]
-    -> [B, Hkv, N] fp32: sum over the query group of q[channels] . K^T[channels]."""
+    -> [B, Hkv, N] fp32: sum over the query group of q[channels] . K^T[channels]. With `out` ([B, Hkv, N] fp32)
+    the scores are written there and `out` is returned."""
     qg = _grouped(q, kt_rows.shape[1])                                    # [B, Hkv, G, D]
     idx = channels[:, :, None, :].expand(-1, -1, qg.shape[2], -1)
     qsum = qg.gather(3, idx).sum(2)                                       # [B, Hkv, r]
-    return (qsum[:, :, None, :] @ kt_rows.float()).squeeze(2)
+    scores = (qsum[:, :, None, :] @ kt_rows.float()).squeeze(2)
+    if out is None:
+        return scores
+    if out.shape != scores.shape or out.dtype != torch.float32:
+        raise ValueError(f"approx_scores: out is {tuple(out.shape)} {out.dtype}, expected {tuple(scores.shape)} "
+                         f"torch.float32")
+    return out.copy_(scores)
 
 
 @op("topk_tokens")
 def topk_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [B, Hkv, N] -> token indices [B, Hkv, min(k, N)] (int64, relative to the scored range)."""
     return scores.topk(min(k, scores.shape[-1]), dim=-1).indices
+
+
+register_kernel("approx_scores", sparse_select_cuda.load_approx_scores)
+register_kernel("topk_tokens", sparse_select_cuda.load_topk_tokens)

@@ -1,0 +1,290 @@
+"""Device check and timing of every CUDA kernel of ops/ against its torch reference and the stock alternative.
+From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,approx,topk]
+(`quant` stands for qk,av). For each kernel: max relative error against the reference on fresh random inputs at
+2-3 shapes (PASS/FAIL), then the time of one call (CUDA events around replays of a CUDA graph that holds several
+calls, inputs rotating over sets that together exceed the 60 MB L2; median of 50), the bytes it must move, the
+rate against the ceiling (HBM 4300 GB/s read+write; PCIe 55 GB/s for the pinned-host gathers), and the baseline's
+time. A kernel that fails to build or is wrong is reported and the others go on. Writes DIR/kernels.json."""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from tailorkv.engine.results import environment, write_json
+from tailorkv.ops import dispatch
+from tailorkv.ops.attention import attend_decode
+from tailorkv.ops.host_gather import gather_rows
+from tailorkv.ops.quant import quantize_keys, quantize_values
+from tailorkv.ops.quant_attention import av_quant, qk_quant
+from tailorkv.ops.sparse_select import approx_scores
+
+HBM, PCIE, L2_BYTES = 4300.0, 55.0, 60e6
+DEV = torch.device("cuda")
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0):
+    """Fresh random inputs (torch's CUDA generator, seeded from the clock in main)."""
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return float("inf")
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def n_sets(set_bytes: float) -> int:
+    return max(1, min(6, math.ceil(2.5 * L2_BYTES / max(set_bytes, 1))))
+
+
+def gpu_time(calls, reps: int = 50, eager: bool = False) -> tuple[float, str]:
+    """ms per call: a CUDA graph of >= 8 calls (rotating over `calls`) replayed `reps` times, median; where a
+    call cannot be captured, back-to-back eager calls (which include the host's launch time)."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    per = len(calls) * max(1, math.ceil(8 / len(calls)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    run, mode = None, "graph"
+    if not eager:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(per):
+                    calls[i % len(calls)]()
+            run = graph.replay
+        except Exception:  # noqa: BLE001 - not capturable: time it eagerly
+            torch.cuda.synchronize()
+    if run is None:
+        mode = "eager"
+
+        def run():
+            for i in range(per):
+                calls[i % len(calls)]()
+    run()
+    for s, e in zip(starts, ends):
+        s.record()
+        run()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / per, mode
+
+
+def result(name, checks, kernel_ms, mode, nbytes, ceiling, base_name, base_ms, extra=None):
+    r = dict(kernel=name, checks=checks, passed=all(c["pass"] for c in checks), time_ms=kernel_ms, timing=mode,
+             bytes=nbytes, GBps=nbytes / kernel_ms / 1e6, ceiling_GBps=ceiling,
+             fraction_of_ceiling=nbytes / kernel_ms / 1e6 / ceiling, baseline=base_name, baseline_ms=base_ms,
+             speedup=base_ms / kernel_ms if base_ms else None)
+    r.update(extra or {})
+    return r
+
+
+def check(label, got, want, bound):
+    err = max_rel(got, want)
+    ok = err <= bound
+    print(f"  check {label}: max rel. error {err:.2e} (bound {bound:.0e}) {'PASS' if ok else 'FAIL'}")
+    return dict(shape=label, max_rel_err=err if math.isfinite(err) else None, bound=bound, **{"pass": ok})
+
+
+def kernel(name, *tensors):
+    k = dispatch.kernel_for(name, *tensors)
+    if k is None:
+        raise RuntimeError(f"the {name} kernel did not load")
+    return k
+
+
+# --- benches ------------------------------------------------------------------------------------------------
+def bench_gather():
+    out = []
+    for label, (H, N, X, n, kt) in {"K^T rows 12x8 of 256 KiB": (8, 128, 131072, 12, True),
+                                     "top-K rows 896x8 of 256 B": (8, 131072, 128, 896, False)}.items():
+        host = torch.randn(1, H, N, X, dtype=torch.bfloat16).pin_memory()
+        k = kernel("gather_rows", host, torch.zeros(1, device=DEV))
+        idxs = [torch.randint(0, N, (1, H, n), device=DEV) for _ in range(4)]
+        checks = [check(label, k(host, idxs[0], DEV).float(), gather_rows.reference(host, idxs[0].cpu(), DEV).float(), 0)]
+        buf = torch.empty(1, H, n, X, dtype=torch.bfloat16, device=DEV)
+        checks.append(check(label + " (out=)", k(host, idxs[1], DEV, out=buf).float(),
+                            gather_rows.reference(host, idxs[1].cpu(), DEV).float(), 0))
+        ms, mode = gpu_time([lambda i=i, k=k, host=host, buf=buf: k(host, i, DEV, out=buf) for i in idxs])
+        cpu_idx = [i.cpu() for i in idxs]
+        base_ms, _ = gpu_time([lambda i=i, host=host: gather_rows.reference(host, i, DEV) for i in cpu_idx], reps=5,
+                              eager=True)
+        out.append(result(f"gather_rows [{label}]", checks, ms, mode, H * n * X * 2, PCIE,
+                          "torch index on host + copy", base_ms))
+    return out
+
+
+def quant_inputs(bits, B, Hq, Hkv, T, D, qdtype):
+    kc, ks, km = quantize_keys(randn(B, Hkv, T, D) * torch.exp(randn(D)), bits, 64)
+    vc, vs, vm = quantize_values(randn(B, Hkv, T, D), bits, min(64, D))
+    q = randn(B, Hq, 1, D, dtype=qdtype)
+    probs = torch.softmax(randn(B, Hq, 1, T, scale=3.0), -1)
+    return q, (kc, ks, km), probs, (vc, vs, vm)
+
+
+def bench_qk():
+    out = []
+    for bits in (1, 2):
+        checks = []
+        for shape in ((bits, 1, 32, 8, 4096, 128, torch.bfloat16), (bits, 2, 9, 3, 320, 64, torch.float32)):
+            q, keys, _, _ = quant_inputs(*shape)
+            k = kernel("qk_quant", q, *keys)
+            checks.append(check(f"{shape[:6]} q {shape[6]}", k(q, *keys, bits, 64, 0.088),
+                                qk_quant.reference(q, *keys, bits, 64, 0.088), 1e-4))
+        B, Hq, Hkv, T, D = 1, 32, 8, 131072, 128
+        packed = Hkv * T * D * (bits / 8 + 4 / 64)           # codes + fp16 scale and min per 64 tokens
+        sets = [quant_inputs(bits, B, Hq, Hkv, T, D, torch.bfloat16)[:2] for _ in range(n_sets(packed))]
+        k = kernel("qk_quant", sets[0][0], *sets[0][1])
+        ms, mode = gpu_time([lambda s=s, k=k, bits=bits: k(s[0], *s[1], bits, 64, 0.088) for s in sets])
+        base_ms, _ = gpu_time([lambda s=s, bits=bits: qk_quant.reference(s[0], *s[1], bits, 64, 0.088) for s in sets[:2]],
+                              reps=10)
+        total = packed + Hq * T * 4
+        out.append(result(f"qk_quant {bits}-bit T=128k Hq=32 Hkv=8 D=128", checks, ms, mode, total, HBM,
+                          "torch reference", base_ms, dict(packed_bytes=packed, packed_GBps=packed / ms / 1e6)))
+    return out
+
+
+def bench_av():
+    out = []
+    for bits in (1, 2):
+        checks = []
+        for shape in ((bits, 1, 32, 8, 4096, 128, torch.bfloat16), (bits, 2, 9, 3, 201, 64, torch.bfloat16)):
+            _, _, probs, vals = quant_inputs(*shape)
+            k = kernel("av_quant", probs, *vals)
+            group = min(64, shape[5])
+            checks.append(check(f"{shape[:6]}", k(probs, *vals, bits, group), av_quant.reference(probs, *vals, bits, group), 1e-4))
+        B, Hq, Hkv, T, D = 1, 32, 8, 131072, 128
+        packed = Hkv * T * D * (bits / 8 + 4 / 64)           # codes + fp16 scale and min per 64 channels
+        sets = [quant_inputs(bits, B, Hq, Hkv, T, D, torch.bfloat16)[2:] for _ in range(n_sets(packed))]
+        k = kernel("av_quant", sets[0][0], *sets[0][1])
+        ms, mode = gpu_time([lambda s=s, k=k, bits=bits: k(s[0], *s[1], bits, 64) for s in sets])
+        base_ms, _ = gpu_time([lambda s=s, bits=bits: av_quant.reference(s[0], *s[1], bits, 64) for s in sets[:2]],
+                              reps=10)
+        total = packed + Hq * T * 4
+        out.append(result(f"av_quant {bits}-bit T=128k Hq=32 Hkv=8 D=128", checks, ms, mode, total, HBM,
+                          "torch reference", base_ms, dict(packed_bytes=packed, packed_GBps=packed / ms / 1e6)))
+    return out
+
+
+def bench_attend():
+    checks = []
+    for (B, Hq, Hkv, N, D, lens, dt) in ((1, 32, 8, 8192, 128, [8192], torch.bfloat16),
+                                          (1, 32, 8, 8192, 128, [1000], torch.bfloat16),
+                                          (2, 9, 3, 3000, 64, [2999, 17], torch.float16)):
+        q, k_, v_ = randn(B, Hq, 1, D, dtype=dt), randn(B, Hkv, N, D, dtype=dt), randn(B, Hkv, N, D, dtype=dt)
+        length = torch.tensor(lens, device=DEV)
+        k = kernel("attend_decode", q, k_, v_, length)
+        checks.append(check(f"B={B} Hq={Hq} Hkv={Hkv} N={N} D={D} len={lens} {dt}", k(q, k_, v_, length),
+                            attend_decode.reference(q, k_, v_, length), 2e-2))
+    out = []
+    B, Hq, Hkv, N, D = 1, 32, 8, 131072, 128
+    q, kb, vb = randn(B, Hq, 1, D, dtype=torch.bfloat16), randn(B, Hkv, N, D, dtype=torch.bfloat16), randn(B, Hkv, N, D, dtype=torch.bfloat16)
+    k = kernel("attend_decode", q, kb, vb, torch.tensor(N, device=DEV))
+    for L in (N, 9000):
+        length = torch.tensor(L, device=DEV)
+        nbytes = 2 * B * Hkv * L * D * 2
+        offs = [i * L for i in range(min(n_sets(nbytes), N // L))]     # disjoint windows of the buffer
+        ms, mode = gpu_time([lambda o=o, n=length: k(q, kb[:, :, o:], vb[:, :, o:], n) for o in offs])
+        base_ms, _ = gpu_time([lambda o=o, e=L: F.scaled_dot_product_attention(q, kb[:, :, o:o + e], vb[:, :, o:o + e],
+                                                                           enable_gqa=True) for o in offs])
+        out.append(result(f"attend_decode bf16 N=128k length={L} Hq=32 Hkv=8 D=128", checks, ms, mode,
+                          nbytes, HBM, "SDPA enable_gqa over exactly length keys", base_ms))
+    return out
+
+
+def bench_approx():
+    checks = []
+    for (B, Hq, Hkv, D, r, N, dt) in ((1, 32, 8, 128, 12, 131072, torch.bfloat16), (2, 9, 3, 64, 8, 1001, torch.float16)):
+        q = randn(B, Hq, 1, D, dtype=dt)
+        rows = randn(B, Hkv, r, N + 3, dtype=dt)[..., 1:N + 1]
+        ch = torch.stack([torch.randperm(D, device=DEV)[:r] for _ in range(B * Hkv)]).reshape(B, Hkv, r)
+        k = kernel("approx_scores", q, rows, ch)
+        checks.append(check(f"B={B} Hkv={Hkv} r={r} N={N} {dt} (unaligned view)", k(q, rows, ch),
+                            approx_scores.reference(q, rows, ch), 1e-4))
+    B, Hq, Hkv, D, r, N = 1, 32, 8, 128, 12, 131072
+    nbytes = B * Hkv * r * N * 2 + B * Hkv * N * 4
+    sets = []
+    for _ in range(n_sets(nbytes)):
+        sets.append((randn(B, Hq, 1, D, dtype=torch.bfloat16), randn(B, Hkv, r, N, dtype=torch.bfloat16),
+                     torch.stack([torch.randperm(D, device=DEV)[:r] for _ in range(Hkv)])[None],
+                     torch.empty(B, Hkv, N, device=DEV)))
+    k = kernel("approx_scores", *sets[0][:3])
+    ms, mode = gpu_time([lambda s=s: k(*s[:3], out=s[3]) for s in sets])
+    base_ms, _ = gpu_time([lambda s=s: approx_scores.reference(*s[:3]) for s in sets])
+    return [result(f"approx_scores bf16 r={r} N=128k Hkv=8", checks, ms, mode, nbytes, HBM, "torch reference", base_ms)]
+
+
+def bench_topk():
+    def distinct(B, H, N):
+        return torch.stack([torch.randperm(N * 4, device=DEV)[:N].float() * 1e-3 - 50 for _ in range(B * H)]).reshape(B, H, N)
+
+    checks = []
+    for (B, H, N, kk) in ((1, 8, 131072, 896), (2, 3, 5001, 64), (1, 2, 1000, 999)):
+        s = distinct(B, H, N + 1)[..., 1:]
+        k = kernel("topk_tokens", s)
+        got = k(s, kk)
+        want = s.topk(kk, dim=-1).indices.sort(-1).values
+        ok = torch.equal(got, want)
+        print(f"  check B={B} H={H} N={N} k={kk}: set {'equal' if ok else 'DIFFERENT'} {'PASS' if ok else 'FAIL'}")
+        checks.append(dict(shape=f"B={B} H={H} N={N} k={kk}", max_rel_err=0.0 if ok else 1.0, bound=0, **{"pass": ok}))
+    sets = [distinct(1, 8, 131072) for _ in range(n_sets(8 * 131072 * 4))]
+    k = kernel("topk_tokens", sets[0])
+    ms, mode = gpu_time([lambda s=s: k(s, 896) for s in sets])
+    base_ms, _ = gpu_time([lambda s=s: torch.topk(s, 896, dim=-1) for s in sets])
+    return [result("topk_tokens 8 x 128k fp32, k=896", checks, ms, mode, 8 * 131072 * 4, HBM, "torch.topk", base_ms)]
+
+
+BENCHES = {"gather": bench_gather, "qk": bench_qk, "av": bench_av, "attend": bench_attend,
+           "approx": bench_approx, "topk": bench_topk}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for kernels.json")
+    ap.add_argument("--only", default="", help="comma-separated: " + ",".join(BENCHES) + " (quant = qk,av)")
+    a = ap.parse_args()
+    names = [n for part in a.only.split(",") if part for n in (("qk", "av") if part == "quant" else (part,))] or list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        sys.exit(f"unknown bench {unknown}; choose from {list(BENCHES)}")
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA GPU")
+    seed = int(time.time())
+    torch.manual_seed(seed)
+    print(f"seed {seed}")
+    t0 = time.perf_counter()
+    rows, errors = [], {}
+    for name in names:
+        print(f"== {name}", flush=True)
+        try:
+            rows += BENCHES[name]()
+        except Exception as e:  # noqa: BLE001 - one broken kernel must not stop the others
+            lines = traceback.format_exc().strip().splitlines()
+            errors[name] = f"{type(e).__name__}: {e}"
+            print("  ERROR " + "\n  ".join(lines[-6:]), flush=True)
+        torch.cuda.empty_cache()
+    env = environment(DEV)
+    env["command"] = shlex.join(["python3", "bench/kernels.py", *sys.argv[1:]])
+    write_json(f"{a.out}/kernels.json", dict(environment=env, seed=seed, results=rows, errors=errors,
+                                             seconds=time.perf_counter() - t0))
+    print(f"\n{'kernel':58} {'check':5} {'ms':>8} {'GB/s':>8} {'of ceil':>7} {'baseline ms':>11} {'speedup':>7}")
+    for r in rows:
+        print(f"{r['kernel'][:58]:58} {'PASS' if r['passed'] else 'FAIL':5} {r['time_ms']:8.4f} {r['GBps']:8.0f} "
+              f"{r['fraction_of_ceiling']:7.0%} {r['baseline_ms']:11.4f} {r['speedup']:7.1f}x"
+              + (f"  packed {r['packed_GBps']:.0f} GB/s" if "packed_GBps" in r else ""))
+    for name, err in errors.items():
+        print(f"{name:58} ERROR {err[:100]}")
+    print(f"({time.perf_counter() - t0:.0f} s; {a.out}/kernels.json)")
+
+
+if __name__ == "__main__":
+    main()

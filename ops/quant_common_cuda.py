@@ -1,0 +1,74 @@
+"""CUDA C helpers shared by the packed 1/2-bit kernels (qk_quant_cuda, av_quant_cuda): warp MMA m16n8k16 with
+fp32 accumulation, byte permute, rotate, and cp.async staging (global -> shared, zero-filled past the end)."""
+
+HELPERS = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+__device__ __forceinline__ void mma_f16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// bytes of {b, a} (a: 0-3, b: 4-7) picked by the four selector nibbles; a nibble's bit 3 replicates the sign
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ unsigned rotl(unsigned x, unsigned r) { return __funnelshift_l(x, x, r); }
+__device__ __forceinline__ unsigned rotr(unsigned x, unsigned r) { return __funnelshift_r(x, x, r); }
+
+// copies `valid` (0..16) of 16 bytes and zero-fills the rest; src must be a readable address even when valid = 0
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, unsigned valid) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(d), "l"(src), "r"(valid));
+}
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, unsigned valid) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" :: "r"(d), "l"(src), "r"(valid));
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, unsigned valid) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(d), "l"(src), "r"(valid));
+}
+
+// a warp stages `total` bytes from src to shared dst in units of U bytes (16/8/4: cp.async; 2: plain loads),
+// zero-filling from byte `valid` on; src (and dst) must be U-byte aligned and src readable
+template <int U> __device__ __forceinline__ void stage_copy(void* dst, const void* src, int total, int valid,
+                                                            int lane) {
+    for (int j = lane; j < total / U; j += 32) {
+        const int v = min(max(valid - U * j, 0), U);
+        const char* s = static_cast<const char*>(src) + (v > 0 ? U * j : 0);
+        char* d = static_cast<char*>(dst) + U * j;
+        if (U == 16) cp_async16(d, s, v);
+        else if (U == 8) cp_async8(d, s, v);
+        else if (U == 4) cp_async4(d, s, v);
+        else *reinterpret_cast<unsigned short*>(d) = v > 0 ? *reinterpret_cast<const unsigned short*>(s) : 0;
+    }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+"""
+
+C_TYPES = {"torch.float32": "float", "torch.float16": "__half", "torch.bfloat16": "__nv_bfloat16"}

@@ -1,0 +1,155 @@
+"""The fused 1/2-bit decode kernels (qk_quant, av_quant) against their torch references and a plain formula.
+
+Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from tailorkv.ops import dispatch
+from tailorkv.ops.quant import codes_per_word, quantize_keys, quantize_values, unpack
+from tailorkv.ops.quant_attention import av_quant, qk_quant
+
+SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
+print(f"test_kernels_quant seed: TAILORKV_SEED={SEED}")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any() and not torch.isnan(b).any(), "NaN in the result"
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill a block of the caching allocator with NaN and free it: the kernel's next output of that size reuses
+    it, so an element the kernel forgets to write stays NaN."""
+    torch.full((max(1, nbytes // 4),), float("nan"), device="cuda")
+
+
+def plain_keys(codes, scale, mn, bits, group=64):
+    """Dequantized keys [B, H, T, D] fp32 for any T that is a multiple of 32 / bits (a partial last group)."""
+    c = unpack(codes, bits, dim=2).float()
+    T = c.shape[2]
+    return c * scale.float().repeat_interleave(group, 2)[:, :, :T] + mn.float().repeat_interleave(group, 2)[:, :, :T]
+
+
+def plain_values(codes, scale, mn, bits, group):
+    c = unpack(codes, bits, dim=3).float()
+    return c * scale.float().repeat_interleave(group, 3) + mn.float().repeat_interleave(group, 3)
+
+
+def random_keys(g, B, H, T, D, bits, device):
+    """Packed keys of T tokens (T a multiple of 32 / bits): quantized real data for the full groups, plus a
+    random partial group."""
+    cpw, Tq = codes_per_word(bits), T - T % 64
+    k = torch.randn(B, H, Tq, D, generator=g) * torch.exp(torch.randn(D, generator=g))
+    kc, ks, km = quantize_keys(k, bits, 64)
+    extra = T - Tq
+    if extra:
+        kc = torch.cat([kc, torch.randint(-2**31, 2**31, (B, H, extra // cpw, D), generator=g, dtype=torch.int64)
+                        .to(torch.int32)], 2)
+        ks = torch.cat([ks, torch.rand(B, H, 1, D, generator=g).half()], 2)
+        km = torch.cat([km, -torch.rand(B, H, 1, D, generator=g).half()], 2)
+    return kc.to(device), ks.to(device), km.to(device)
+
+
+QK_CASES = [  # (bits, B, Hq, Hkv, T, D, q dtype)
+    (1, 1, 32, 8, 4096, 128, torch.bfloat16), (2, 1, 32, 8, 4096, 128, torch.bfloat16),
+    (1, 2, 9, 3, 320, 64, torch.float16), (2, 2, 9, 3, 320, 64, torch.float32),
+    (1, 1, 4, 4, 96, 128, torch.float32), (2, 1, 8, 2, 48, 128, torch.float16),
+    (1, 1, 28, 1, 64, 64, torch.bfloat16), (1, 2, 32, 8, 0, 128, torch.bfloat16),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits,B,hq,hkv,T,D,dtype", QK_CASES)
+def test_qk_quant_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype):
+    g = torch.Generator().manual_seed(SEED + T + hq + bits)
+    kc, ks, km = random_keys(g, B, hkv, T, D, bits, "cuda")
+    q = (torch.randn(B, hq, 1, D, generator=g) * 3).to("cuda", dtype)
+    kernel = dispatch.kernel_for("qk_quant", q, kc, ks, km)
+    assert kernel is not None, "the qk_quant kernel did not load (CuPy missing?)"
+    sm = 1 / math.sqrt(D)
+    poison_allocator(B * hq * T * 4)
+    got = kernel(q, kc, ks, km, bits, 64, sm)
+    assert got.shape == (B, hq, 1, T) and got.dtype == torch.float32
+    if T == 0:
+        return
+    K = plain_keys(kc, ks, km, bits).repeat_interleave(hq // hkv, 1)
+    want = (q.float() * sm) @ K.transpose(-1, -2)
+    assert rel_err(got, want) < 1e-5
+    if T % 64 == 0:
+        assert rel_err(got, qk_quant.reference(q, kc, ks, km, bits, 64, sm)) < 1e-5
+
+
+@pytest.mark.cuda
+def test_qk_quant_kernel_reads_views_of_a_larger_buffer():
+    g = torch.Generator().manual_seed(SEED + 7)
+    kc, ks, km = random_keys(g, 1, 8, 1024, 128, 1, "cuda")
+    q = torch.randn(1, 32, 1, 128, generator=g).to("cuda", torch.bfloat16)
+    got = qk_quant(q, kc[:, :, :20], ks[:, :, :10], km[:, :, :10], 1, 64, 0.1)  # the policy's sliced views
+    want = qk_quant.reference(q, kc[:, :, :20], ks[:, :, :10], km[:, :, :10], 1, 64, 0.1)
+    assert rel_err(got, want) < 1e-5
+
+
+AV_CASES = [  # (bits, B, Hq, Hkv, T, D, probs dtype)
+    (1, 1, 32, 8, 4096, 128, torch.float32), (2, 1, 32, 8, 4096, 128, torch.float32),
+    (1, 2, 9, 3, 201, 64, torch.float32), (2, 2, 9, 3, 17, 64, torch.bfloat16),
+    (1, 1, 16, 2, 1000, 128, torch.float32), (2, 1, 16, 1, 333, 64, torch.float32),
+    (1, 1, 4, 4, 1, 128, torch.float32), (1, 2, 32, 8, 0, 128, torch.float32),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits,B,hq,hkv,T,D,dtype", AV_CASES)
+def test_av_quant_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype):
+    g = torch.Generator().manual_seed(SEED + T + hq + bits + 1)
+    group = min(64, D)
+    v = torch.randn(B, hkv, T, D, generator=g) * torch.exp(torch.randn(D, generator=g) * 0.5)
+    vc, vs, vm = (t.cuda() for t in quantize_values(v, bits, group))
+    probs = torch.softmax(torch.randn(B, hq, 1, T, generator=g) * 4, -1).to("cuda", dtype)
+    kernel = dispatch.kernel_for("av_quant", probs, vc, vs, vm)
+    assert kernel is not None, "the av_quant kernel did not load (CuPy missing?)"
+    poison_allocator(B * hq * D * 4)
+    got = kernel(probs, vc, vs, vm, bits, group)
+    assert got.shape == (B, hq, 1, D) and got.dtype == torch.float32
+    if T == 0:
+        assert torch.equal(got, torch.zeros_like(got))
+        return
+    V = plain_values(vc, vs, vm, bits, group).repeat_interleave(hq // hkv, 1)
+    assert rel_err(got, probs.float() @ V) < 1e-5
+    assert rel_err(got, av_quant.reference(probs, vc, vs, vm, bits, group)) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits,D,hq,hkv", [(1, 64, 9, 3), (2, 128, 32, 8), (1, 128, 8, 8)])
+def test_av_quant_kernel_reads_views_of_an_odd_sized_buffer(bits, D, hq, hkv):
+    """The policy's buffers hold max_len - 128 value tokens, often odd: heads are then only 2-, 4- or 8-byte
+    aligned, and the kernel stages them in smaller units."""
+    g = torch.Generator().manual_seed(SEED + 13 + D)
+    group = min(64, D)
+    vc, vs, vm = (t.cuda() for t in quantize_values(torch.randn(1, hkv, 1001, D, generator=g), bits, group))
+    n = 555
+    views = vc[:, :, :n], vs[:, :, :n], vm[:, :, :n]
+    probs = torch.softmax(torch.randn(1, hq, 1, n, generator=g) * 3, -1).cuda()
+    assert dispatch.kernel_for("av_quant", probs, *views) is not None
+    got = av_quant(probs, *views, bits, group)
+    assert rel_err(got, av_quant.reference(probs, *views, bits, group)) < 1e-5
+
+
+@pytest.mark.cuda
+def test_av_quant_kernel_is_deterministic_and_captured_in_a_graph():
+    g = torch.Generator().manual_seed(SEED + 11)
+    vc, vs, vm = (t.cuda() for t in quantize_values(torch.randn(1, 8, 5000, 128, generator=g), 1, 64))
+    probs = torch.softmax(torch.randn(1, 32, 1, 5000, generator=g), -1).cuda()
+    first = av_quant(probs, vc, vs, vm, 1, 64)
+    assert torch.equal(first, av_quant(probs, vc, vs, vm, 1, 64))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = av_quant(probs, vc, vs, vm, 1, 64)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, first)
