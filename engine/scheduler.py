@@ -7,6 +7,8 @@ ask for the largest size the policy will ever need.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -32,18 +34,11 @@ class Scheduler:
         key = (name, layer_idx % 2)
         buf = self._buffers.get(key)
         if buf is None:
-            buf = self._buffers[key] = torch.empty(_numel(shape), dtype=dtype, device=self.device)
-        if buf.dtype != dtype or buf.numel() < _numel(shape):
+            buf = self._buffers[key] = torch.empty(math.prod(shape), dtype=dtype, device=self.device)
+        if buf.dtype != dtype or buf.numel() < math.prod(shape):
             raise RuntimeError(f"buffer {name}: {tuple(shape)} {dtype} does not fit the one allocated "
                                f"({buf.numel()} x {buf.dtype})")
-        return buf[:_numel(shape)].view(shape)
+        return buf[:math.prod(shape)].view(shape)
 
     def device_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -62,6 +62,9 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: tor
     read); length: int64 tensor, 0-dim or [B], on q's device (clamped to [0, N]) -> [B, Hq, 1, D] in q's dtype.
     Scores and softmax in fp32, GQA without repeat_kv; a row of length 0 gives zeros."""
     B, Hq, _, D = q.shape
+    if not q.is_cuda:  # the length is free to read off the CPU: attend over the slots it covers only
+        most = int(length.max().clamp(0, k.shape[2]))
+        k, v = k[:, :, :most], v[:, :, :most]
     Hkv, N = k.shape[1], k.shape[2]
     scale = softmax_scale(D) if sm_scale is None else sm_scale
     n = length.to(q.device).reshape(-1, 1, 1, 1).expand(B, 1, 1, 1)

@@ -59,8 +59,12 @@ def write_tiny_folder(folder, *, hidden=64, n_layers=3, n_heads=8, n_kv=2, head_
         json.dump(hf, f)
     torch.manual_seed(seed)
     model = Llama(ModelConfig.from_hf(hf))
-    tensors = {n: (torch.ones_like(p) if n.endswith("norm.weight") else torch.randn_like(p) * std).contiguous()
-               for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    tensors = {}
+    for name in model.checkpoint_names():  # HF names: q_proj, k_proj, ... (the model stacks some of them)
+        slot = model.checkpoint_slot(name)
+        like = params[slot[0]][slot[1]:slot[2]] if slot else params[name]
+        tensors[name] = (torch.ones_like(like) if name.endswith("norm.weight") else torch.randn_like(like) * std)
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
-from tailorkv.ops.attention import causal_attention, decode_attention
+from tailorkv.ops.attention import attend_decode, causal_attention
 
 
 class FullCache(LayerCache):
@@ -28,9 +28,8 @@ class FullCache(LayerCache):
         if step.decode:
             self.k.index_copy_(2, step.positions, k)
             self.v.index_copy_(2, step.positions, v)
-            n = step.bucket
-            valid = torch.arange(n, device=q.device) <= step.positions
-            return decode_attention(q, self.k[:, :, :n], self.v[:, :, :n], valid)
+            n = step.bucket  # static for the graph; the kernel reads only the first position + 1 slots
+            return attend_decode(q, self.k[:, :, :n], self.v[:, :, :n], step.positions + 1)
         s, e = step.start, step.end
         self.k[:, :, s:e] = k
         self.v[:, :, s:e] = v

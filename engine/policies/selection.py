@@ -32,8 +32,8 @@ class ChannelSelector(TokenSelector):
             pos = torch.arange(lo, lo + k, device=dev).clamp_max(layer.spec.max_len - 1)
             return pos.expand(q.shape[0], layer.spec.n_kv_heads, k)
         chans = self.channels(layer, q if q_hat is None else q_hat)
-        rows = gather_rows(layer.host_kt[:, :, :, lo:lo + n], chans, dev)              # [B, Hkv, r, n]
-        scores = approx_scores(q, rows, chans)
+        rows = gather_rows(layer.host_kt[:, :, :, lo:lo + n], chans, dev, out=layer.buffer("kt_rows"))  # [B,Hkv,r,n]
+        scores = approx_scores(q, rows, chans, out=layer.buffer("scores"))
         scores = scores.masked_fill(torch.arange(lo, lo + n, device=dev) >= layer.tail_start_dev, float("-inf"))
         return topk_tokens(scores, k) + lo
 

@@ -22,6 +22,8 @@ stays on the device and grows with every token added (prompt and generated).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
@@ -117,6 +119,7 @@ class SparseOffloadCache(LayerCache):
             return None
         self.middle_whole = 0 < mid <= self.topk
         self.middle_bucket = min(fine_bucket(mid), self.spec.max_len - self.sink) if mid > self.topk else 0
+        self._plan_buffers()
         fetched = min(mid, self.topk)
         kt_bytes = self.spec.batch * self.spec.n_kv_heads * self.r * self.middle_bucket * self.host_k.element_size()
         gathered = self.topk if mid > 0 else 0
@@ -124,6 +127,24 @@ class SparseOffloadCache(LayerCache):
         self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
                      "middle_tokens": mid, "tokens_attended": on_device + fetched}
         return ("whole" if self.middle_whole else "none" if mid <= 0 else "select", self.middle_bucket)
+
+    def _plan_buffers(self) -> None:
+        """Views of the scheduler's buffers (its set for this layer's parity) that this decode step fills.
+        The first request allocates each at the size the largest middle needs."""
+        s, n = self.spec, self.middle_bucket
+        B, H, most = s.batch, s.n_kv_heads, s.max_len - self.sink
+        shapes = {"kt_rows": ((B, H, self.r, n), (B * H * self.r * most,), s.dtype),
+                  "scores": ((B, H, n), (B * H * most,), torch.float32),
+                  "k_rows": ((B, H, self.topk, s.head_dim), (B * H * self.topk * s.head_dim,), s.dtype),
+                  "v_rows": ((B, H, self.topk, s.head_dim), (B * H * self.topk * s.head_dim,), s.dtype)}
+        self._buffers = {}
+        for name, (shape, most_shape, dtype) in shapes.items():
+            full = self.scheduler.buffer(name, self.spec.layer_idx, most_shape, dtype)
+            self._buffers[name] = full[:math.prod(shape)].view(shape)
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """This step's view of a scheduler buffer: kt_rows, scores, k_rows, v_rows (see _plan_buffers)."""
+        return self._buffers[name]
 
     def run(self, q, k, v, step):
         q_hat, self.q_hat = self.q_hat, None  # a prediction serves one step only
@@ -162,8 +183,8 @@ class SparseOffloadCache(LayerCache):
             pos = self.selector.select(self, q, q_hat)                                   # [B, Hkv, K]
             picked = (pos >= S) & (pos < self.tail_start_dev)
             pos = torch.where(picked, pos, S)  # a held row, masked below
-            keys = torch.cat([keys, gather_rows(self.host_k, pos, dev)], 2)
-            vals = torch.cat([vals, gather_rows(self.host_v, pos, dev)], 2)
+            keys = torch.cat([keys, gather_rows(self.host_k, pos, dev, out=self.buffer("k_rows"))], 2)
+            vals = torch.cat([vals, gather_rows(self.host_v, pos, dev, out=self.buffer("v_rows"))], 2)
             valid = torch.cat([valid, picked], 2)
         return decode_attention(q, keys, vals, valid[:, :, None, :])
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: install what the image lacks (wheels carried in .whl/), then run the steps
+# named in STEPS, each under its own time limit, logging to $OUT/<step>.log, and print a summary last.
+#   STEPS="tests kernels fused bench" bash bench/device_session.sh
+# Steps: tests (pytest -m cuda), kernels (bench/kernels.py), fused (bench/fused.py), bench (BENCH_ARGS).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+export TAILORKV_COMMIT=${TAILORKV_COMMIT:-unknown}
+summary=()
+step() {  # name, limit in s, command...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    summary+=("$name: rc=$rc in $((SECONDS - t0)) s")
+    echo "== $name rc=$rc ($((SECONDS - t0)) s)"
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+for s in ${STEPS:-tests}; do
+    case $s in
+        tests) step tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/ ;;
+        kernels) step kernels "${KERNELS_LIMIT:-200}" python3 bench/kernels.py --out "$OUT/kernels" ;;
+        fused) step fused "${FUSED_LIMIT:-120}" python3 bench/fused.py --out "$OUT/fused" ;;
+        bench) step bench "${BENCH_LIMIT:-400}" python3 -m tailorkv.cli bench ${BENCH_ARGS:-} --out "$OUT/bench" ;;
+        *) echo "unknown step $s" ;;
+    esac
+done
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+printf '%s\n' "${summary[@]}"
