@@ -124,7 +124,8 @@ def bench_gather():
 
 
 def quant_inputs(bits, B, Hq, Hkv, T, D, qdtype):
-    kc, ks, km = quantize_keys(randn(B, Hkv, T, D) * torch.exp(randn(D)), bits, 64)
+    """Keys are quantized in whole groups of 64 tokens (the first T // 64 * 64), values per token (all T)."""
+    kc, ks, km = quantize_keys(randn(B, Hkv, T // 64 * 64, D) * torch.exp(randn(D)), bits, 64)
     vc, vs, vm = quantize_values(randn(B, Hkv, T, D), bits, min(64, D))
     q = randn(B, Hq, 1, D, dtype=qdtype)
     probs = torch.softmax(randn(B, Hq, 1, T, scale=3.0), -1)

@@ -27,7 +27,7 @@ def plain(q, k, v, lengths, sm_scale):
     """One batch row at a time over exactly its first `length` keys, GQA by repeating the KV heads."""
     B, Hq, _, D = q.shape
     G = Hq // k.shape[1]
-    out = torch.zeros(B, Hq, 1, D, dtype=torch.float64)
+    out = torch.zeros(B, Hq, 1, D, dtype=torch.float64, device=q.device)
     for b, n in enumerate(lengths):
         if n == 0:
             continue
