@@ -2,7 +2,8 @@
 # One call on a lent GPU machine: install what the image lacks (wheels carried in .whl/), then run the steps
 # named in STEPS, each under its own time limit, logging to $OUT/<step>.log, and print a summary last.
 #   STEPS="tests kernels fused bench" bash bench/device_session.sh
-# Steps: tests (pytest -m cuda), kernels (bench/kernels.py), fused (bench/fused.py), bench (BENCH_ARGS).
+# Steps: tests (pytest -m cuda), kernels (bench/kernels.py), fused (bench/fused.py), bench (BENCH_ARGS),
+# sdpa (bench/sdpa_backends.py).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -29,6 +30,7 @@ for s in ${STEPS:-tests}; do
         kernels) step kernels "${KERNELS_LIMIT:-200}" python3 bench/kernels.py --out "$OUT/kernels" ;;
         fused) step fused "${FUSED_LIMIT:-120}" python3 bench/fused.py --out "$OUT/fused" ;;
         bench) step bench "${BENCH_LIMIT:-400}" python3 -m tailorkv.cli bench ${BENCH_ARGS:-} --out "$OUT/bench" ;;
+        sdpa) step sdpa "${SDPA_LIMIT:-60}" python3 bench/sdpa_backends.py --out "$OUT/sdpa" ;;
         *) echo "unknown step $s" ;;
     esac
 done

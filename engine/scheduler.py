@@ -1,31 +1,62 @@
 """The model cache's scheduler: the one place for streams, events and the two buffer sets that alternate by
 layer, so that what layer l reads can be filled while layer l - 1 computes.
 
-Today one stream serves everything (`copy` is the compute stream); the buffers already alternate by layer
-parity. A buffer is allocated once, at its first request, and never moves (CUDA graphs hold its address):
-ask for the largest size the policy will ever need.
+On a GPU there are two streams: the compute stream (torch's current stream) and a copy stream. Work goes to
+the copy stream with `copy_stream(...)`: it first waits for everything queued on the compute stream so far
+(so it sees the inputs it was handed, and memory the compute stream freed before is not reused under it),
+then records an event under a name; the compute stream `wait`s for that name before it reads the results.
+Nothing here blocks the host, and all of it can be captured in a CUDA graph (the copy stream forks from the
+capturing stream and every event is waited before the step ends). On a CPU both are no-ops.
+
+A buffer is allocated once, at its first request, and never moves (CUDA graphs hold its address): ask for
+the largest size the policy will ever need.
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
 
 class Scheduler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, overlap: bool = True):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.overlap = overlap and self.cuda
+        self._copy = torch.cuda.Stream(self.device) if self.overlap else None
+        self._events: dict[str, torch.cuda.Event] = {}
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
 
     @property
     def compute(self):
         return torch.cuda.current_stream(self.device) if self.cuda else None
 
-    @property
-    def copy(self):
-        """The stream that moves data between host and device (the compute stream for now)."""
-        return self.compute
+    @contextmanager
+    def copy_stream(self, name: str):
+        """Run the body on the copy stream after the compute stream's queued work; record event `name` after."""
+        if not self.overlap:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self._copy.wait_stream(compute)
+        with torch.cuda.stream(self._copy):
+            yield
+            event = self._events.get(name)
+            if event is None:
+                event = self._events[name] = torch.cuda.Event()
+            event.record(self._copy)
+
+    def wait(self, name: str) -> None:
+        """The compute stream waits for the copy-stream work recorded under `name`."""
+        if self.overlap:
+            torch.cuda.current_stream(self.device).wait_event(self._events[name])
+
+    def join(self) -> None:
+        """The compute stream waits for everything queued on the copy stream (e.g. host writes that later
+        reads of host memory depend on)."""
+        if self.overlap:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy)
 
     def buffer(self, name: str, layer_idx: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Buffer set layer_idx % 2 of `name`: the same memory for every layer of that parity, so one layer's

@@ -116,11 +116,14 @@ class One:
         self.policy = policy
         self.mc = ModelCache([policy])
 
-    def attend(self, q, k, v, start):
+    def attend(self, q, k, v, start, q_hat=None):
+        """q_hat: a predicted query handed to the policy inside the step, as the layer before would."""
         if start < self.mc.length:
             self.mc.truncate(start)
         assert start == self.mc.length, (start, self.mc.length)
         step = self.mc.begin(k.shape[2])
+        if q_hat is not None:
+            self.policy.predict_query(q_hat)
         out = self.mc.attend(0, q, k, v, step)
         self.mc.finish(step)
         return out

@@ -164,8 +164,8 @@ def test_recall_probe_against_brute_force(tiny):
     seen = {}
 
     class Spy(ChannelSelector):
-        def select(self, lay, q, q_hat):
-            pos = super().select(lay, q, q_hat)
+        def select(self, lay, q):
+            pos = super().select(lay, q)
             seen.update(q=q.clone(), pos=pos.clone())
             return pos
     layer.selector = Spy()

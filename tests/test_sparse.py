@@ -220,8 +220,7 @@ def test_predicted_query_selects_channels(gen):
     q_hat = torch.zeros(B, hq, 1, D)
     q_hat[..., 0] = 1.0  # ... the predicted one at channel 0
     k, v = torch.randn(B, hkv, 1, D, generator=gen), torch.randn(B, hkv, 1, D, generator=gen)
-    sp.predict_query(q_hat)
-    sp.attend(q, k, v, P)
+    sp.attend(q, k, v, P, q_hat=q_hat)
     sp.attend(q, k, v, P + 1)  # no prediction for this step: the current query selects
     assert chosen[0].flatten().tolist() == [0] * hkv
     assert chosen[1].flatten().tolist() == [5] * hkv

@@ -17,7 +17,7 @@ def _table(title: str):
     from rich.table import Table
     t = Table(title=title, title_justify="left", header_style="bold")
     for name in ("method", "ctx", "prefill s", "ms/tok", "p90", "tok/s", "peak dev", "KV dev", "KV host",
-                 "PCIe/tok", "floor ms", "%floor", "GB/s"):
+                 "PCIe/tok", "floor ms", "%floor", "HBM GB/s"):
         t.add_column(name, justify="left" if name == "method" else "right")
     return t
 
@@ -35,6 +35,22 @@ def _row(cell: dict) -> list[str]:
                    _gib(cell["peak_device_bytes"]), _gib(cell["kv_device_bytes"]), _gib(cell["kv_host_bytes"]),
                    _gib(cell["pcie_bytes_per_token"]), f"{f['floor_ms']:.2f}", f"{100 * f['fraction']:.0f}%",
                    f"{cell['achieved_gbps']:.0f}"]
+
+
+def stage_table(cell: dict):
+    """The stage breakdown of one cell's profiled decode steps (engine.bench.stages)."""
+    from rich.table import Table
+    from tailorkv.engine.bench.plot import ctx_label
+    st = cell["stages"]
+    t = Table(title=f"{cell['method']} @ {ctx_label(cell['ctx'])}: {st['kernels_per_step']:.0f} kernels/step, GPU busy "
+                    f"{st['gpu_busy_ms']:.2f} ms of {cell['decode_ms']['median']:.2f} ms/step; other streams overlapped "
+                    f"{st['other_streams_overlapped_ms']:.2f} ms ({'CUDA graph' if st['cuda_graph'] else 'eager'})",
+              title_justify="left", header_style="bold")
+    t.add_column("stage")
+    t.add_column("ms/step", justify="right")
+    for name, ms in st["stage_ms"].items():
+        t.add_row(name, f"{ms:.3f}")
+    return t
 
 
 def register(main: click.Group) -> click.Command:
@@ -57,13 +73,15 @@ def register(main: click.Group) -> click.Command:
                   help="results folder (default bench/results/<date>-<model>/)")
     @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random prompts")
     @click.option("--no-cuda-graph", is_flag=True, help="decode eagerly even where a CUDA graph is possible")
+    @click.option("--profile", "profile_steps", type=int, default=0, show_default=True,
+                  help="GPU: a stage breakdown (kernels, GPU busy, time per stage and stream) of N decode steps")
     @ui.friendly
     def bench(model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
-              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, no_cuda_graph, **knobs):
+              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, no_cuda_graph, profile_steps, **knobs):
         """Latency and memory sweep over methods x context lengths (bench.json + PNG plots)."""
         run_bench(click.get_current_context().params, model, weights, random_weights, device, dtype, ctxs, methods,
                   decode_steps, warmup, batch, gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs,
-                  cuda_graph=not no_cuda_graph)
+                  cuda_graph=not no_cuda_graph, profile_steps=profile_steps)
 
     # --methods replaces method_options' single --method; its other knobs (--budget, --bits, ...) stay
     bench.params = [p for p in bench.params if p.name != "method"]
@@ -71,7 +89,7 @@ def register(main: click.Group) -> click.Command:
 
 
 def run_bench(params, model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
-              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs, cuda_graph=True):
+              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs, cuda_graph=True, profile_steps=0):
     import torch
     from rich.console import Console, Group
     from rich.live import Live
@@ -91,7 +109,7 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     settings = {m: ui.settings_from(method=m, **knobs) for m in names}
     plan = B.BenchPlan(ctxs=[ui.parse_ctx(c) for c in ui.split_list(ctxs)], methods=names, settings=settings,
                        decode_steps=decode_steps, warmup=warmup, batch=batch, seed=seed,
-                       hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph)
+                       hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps)
     plan.validate()
     dev = ui.pick_device(device)
     limit = None
@@ -152,5 +170,8 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     for c in cells:
         if c["status"] != "ok":
             ui.err.print(f"[red]{c['method']} @ {c['ctx']}: {c['status'].upper()}[/] {escape(c['error'])}")
+    for c in cells:
+        if c.get("stages"):
+            con.print(stage_table(c))
     ok = sum(c["status"] == "ok" for c in cells)
     con.print(f"{ok}/{len(cells)} cells ok; results in {json_path}, plots {', '.join(pngs)}")

@@ -49,6 +49,7 @@ class BenchPlan:
     pcie_gbps: float = PCIE_GBPS
     margin: int = MARGIN
     cuda_graph: bool = True  # decode through the engine's CUDA graph where the cache allows it
+    profile_steps: int = 0   # > 0 (GPU): a stage breakdown of that many decode steps (engine.bench.stages)
 
     def settings_for(self, method: str) -> MethodSettings:
         return self.settings.get(method) or MethodSettings(method=method)
@@ -239,6 +240,15 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
         step_stats.append(cache.stats())
     _sync(device)
     wall_ms = (time.perf_counter() - wall0) * 1e3 / n
+    if plan.profile_steps and cuda:
+        from tailorkv.engine.bench.stages import profile_steps
+        say("profile")
+        last = [tok]
+
+        def one_step(r=runner):
+            last[0] = r.decode(last[0]).argmax(-1, keepdim=True)
+        out["stages"] = profile_steps(one_step, plan.profile_steps)
+        out["stages"]["cuda_graph"] = runner.graphs is not None
     if cuda:
         times_ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
         out["peak_device_decode_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -303,10 +313,13 @@ def run_cell(loaded, method: str, ctx: int, plan: BenchPlan, on_phase: Phase | N
         cell["tok_s"] = plan.batch * 1e3 / ms
         cell["pcie_bytes_per_step"] = pcie_bytes(cell["stats"])
         cell["pcie_bytes_per_token"] = cell["pcie_bytes_per_step"] / plan.batch
-        cell["achieved_gbps"] = total * (1e3 / ms) / 1e9  # gpt-fast's figure: model bytes x steps/s
+        cell["model_gbps"] = total * (1e3 / ms) / 1e9  # gpt-fast's figure: model bytes x steps/s
         cfg = loaded.cfg
         elt = loaded.model.output_weight.element_size()
-        cell["floor"] = floor_of(cell, read, 2 * cfg.n_kv_heads * cfg.head_dim * elt * plan.batch, plan)
+        cell["floor"] = f = floor_of(cell, read, 2 * cfg.n_kv_heads * cfg.head_dim * elt * plan.batch, plan)
+        # what the step achieves on the bytes it must read: weights + KV from HBM, and the PCIe bytes
+        cell["achieved_gbps"] = (f["weight_bytes"] + f["kv_read_bytes"]) / (ms / 1e3) / 1e9
+        cell["achieved_pcie_gbps"] = f["pcie_bytes"] / (ms / 1e3) / 1e9
     return cell
 
 

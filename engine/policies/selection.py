@@ -14,8 +14,12 @@ from tailorkv.ops.sparse_select import approx_scores, channel_scores, topk_chann
 
 
 class TokenSelector:
-    def select(self, layer, q: torch.Tensor, q_hat: torch.Tensor | None) -> torch.Tensor:
-        """q: the layer's query [B, Hq, 1, D]; q_hat: its prediction from the layer before (or None)."""
+    def prefetch(self, layer, q_sel: torch.Tensor) -> None:
+        """What can be fetched before the layer's own query exists, from q_sel (its prediction, or the query
+        itself): runs on the copy stream while the layer before computes."""
+
+    def select(self, layer, q: torch.Tensor) -> torch.Tensor:
+        """q: the layer's query [B, Hq, 1, D] -> absolute positions [B, Hkv, K]."""
         raise NotImplementedError
 
 
@@ -25,14 +29,21 @@ class ChannelSelector(TokenSelector):
     channels, summed over the group, pick the top-K tokens per KV head. A middle of at most K tokens is taken
     whole (no scoring)."""
 
-    def select(self, layer, q, q_hat):
+    def prefetch(self, layer, q_sel):
+        """The r channels per KV head from q_sel and their K^T rows over the middle's bucket, into the layer's
+        buffers `channels` [B, Hkv, r] and `kt_rows` [B, Hkv, r, n]."""
+        lo, n = layer.sink, layer.middle_bucket
+        chans = layer.buffer("channels")
+        chans.copy_(self.channels(layer, q_sel))
+        gather_rows(layer.host_kt[:, :, :, lo:lo + n], chans, q_sel.device, out=layer.buffer("kt_rows"))
+
+    def select(self, layer, q):
         lo, n, k = layer.sink, layer.middle_bucket, layer.topk
         dev = q.device
         if layer.middle_whole:
             pos = torch.arange(lo, lo + k, device=dev).clamp_max(layer.spec.max_len - 1)
             return pos.expand(q.shape[0], layer.spec.n_kv_heads, k)
-        chans = self.channels(layer, q if q_hat is None else q_hat)
-        rows = gather_rows(layer.host_kt[:, :, :, lo:lo + n], chans, dev, out=layer.buffer("kt_rows"))  # [B,Hkv,r,n]
+        chans, rows = layer.buffer("channels"), layer.buffer("kt_rows")
         scores = approx_scores(q, rows, chans, out=layer.buffer("scores"))
         scores = scores.masked_fill(torch.arange(lo, lo + n, device=dev) >= layer.tail_start_dev, float("-inf"))
         return topk_tokens(scores, k) + lo
@@ -48,7 +59,10 @@ class ObservedSelector(TokenSelector):
     def __init__(self, inner: TokenSelector, observe):
         self.inner, self.observe = inner, observe
 
-    def select(self, layer, q, q_hat):
-        pos = self.inner.select(layer, q, q_hat)
+    def prefetch(self, layer, q_sel):
+        self.inner.prefetch(layer, q_sel)
+
+    def select(self, layer, q):
+        pos = self.inner.select(layer, q)
         self.observe(layer, q, pos)
         return pos

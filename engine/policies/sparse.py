@@ -31,6 +31,7 @@ from tailorkv.engine.policies.selection import ChannelSelector
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.engine.step import fine_bucket
 from tailorkv.ops.attention import causal_attention, decode_attention
+from tailorkv.ops.host_copy import host_copy
 from tailorkv.ops.host_gather import gather_rows
 
 FLUSH = 128  # generated tokens the tail may hold beyond `recent` before they move to the host store
@@ -68,7 +69,8 @@ class SparseOffloadCache(LayerCache):
         self._set_tail_start(self.sink)  # always >= sink; the middle is [sink, tail_start)
         self.kmax.zero_()
         self.q_hat = None
-        self.middle_bucket, self.middle_whole = 0, False
+        self.middle_bucket, self.middle_whole, self.prefetched = 0, False, False
+        self._fetched = f"kt_rows:{self.spec.layer_idx}"
 
     def _set_tail_start(self, pos: int) -> None:
         self.tail_start = pos
@@ -85,8 +87,12 @@ class SparseOffloadCache(LayerCache):
         n = self.held + pending
         dev, ns, tl = self.spec.device, min(self.sink, n), max(0, n - self.tail_start)
         lo, hi = self.sink, self.tail_start
-        k = torch.cat([self.dev_k[:, :, :ns], self.host_k[:, :, lo:hi].to(dev), self.dev_k[:, :, lo:lo + tl]], 2)
-        v = torch.cat([self.dev_v[:, :, :ns], self.host_v[:, :, lo:hi].to(dev), self.dev_v[:, :, lo:lo + tl]], 2)
+        k, v = (torch.empty(*b.shape[:2], ns + (hi - lo) + tl, b.shape[3], dtype=b.dtype, device=dev)
+                for b in (self.dev_k, self.dev_v))
+        for dst, src, host in ((k, self.dev_k, self.host_k), (v, self.dev_v, self.host_v)):
+            dst[:, :, :ns] = src[:, :, :ns]
+            host_copy(dst[:, :, ns:ns + hi - lo], host[:, :, lo:hi])  # one DMA of the strided middle
+            dst[:, :, ns + hi - lo:] = src[:, :, lo:lo + tl]
         return k, v
 
     def truncate(self, length: int) -> None:
@@ -101,7 +107,13 @@ class SparseOffloadCache(LayerCache):
             self.held = length  # max|K| keeps the dropped tokens: an over-estimate, harmless for scoring
 
     def predict_query(self, q_hat: torch.Tensor) -> None:
+        """At the layer before this one: keep the prediction and start fetching the K^T rows it selects on
+        the copy stream, while that layer computes (run() waits for them)."""
         self.q_hat = q_hat
+        if self.middle_bucket:
+            with self.scheduler.copy_stream(self._fetched):
+                self.selector.prefetch(self, q_hat)
+            self.prefetched = True
 
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.dev_k, self.dev_v, self.kmax))
@@ -114,6 +126,7 @@ class SparseOffloadCache(LayerCache):
         mid = self.tail_start - self.sink
         row = self._row_bytes()
         if not step.decode:
+            self.middle_bucket, self.middle_whole = 0, False
             self.last = {"tokens_fetched": mid, "bytes_fetched": 2 * mid * row, "middle_tokens": mid,
                          "tokens_attended": self.held + step.n}
             return None
@@ -135,6 +148,7 @@ class SparseOffloadCache(LayerCache):
         B, H, most = s.batch, s.n_kv_heads, s.max_len - self.sink
         shapes = {"kt_rows": ((B, H, self.r, n), (B * H * self.r * most,), s.dtype),
                   "scores": ((B, H, n), (B * H * most,), torch.float32),
+                  "channels": ((B, H, self.r), (B * H * self.r,), torch.long),
                   "k_rows": ((B, H, self.topk, s.head_dim), (B * H * self.topk * s.head_dim,), s.dtype),
                   "v_rows": ((B, H, self.topk, s.head_dim), (B * H * self.topk * s.head_dim,), s.dtype)}
         self._buffers = {}
@@ -143,24 +157,25 @@ class SparseOffloadCache(LayerCache):
             self._buffers[name] = full[:math.prod(shape)].view(shape)
 
     def buffer(self, name: str) -> torch.Tensor:
-        """This step's view of a scheduler buffer: kt_rows, scores, k_rows, v_rows (see _plan_buffers)."""
+        """This step's view of a scheduler buffer: channels, kt_rows, scores, k_rows, v_rows (_plan_buffers)."""
         return self._buffers[name]
 
     def run(self, q, k, v, step):
         q_hat, self.q_hat = self.q_hat, None  # a prediction serves one step only
+        prefetched, self.prefetched = self.prefetched, False
         if step.decode:
-            return self._decode(q, k, v, q_hat, step.positions)
+            return self._decode(q, k, v, q_hat, prefetched, step.positions)
         out = self._attend_many(q, k, v, step.start)
         self._store(k, v)
         self.held = step.end
         return out
 
     def commit(self, step) -> None:
-        if not step.decode:
-            return
-        self.held += 1
-        if self._tail_len() >= self.cap:
-            self._flush(self._tail_len() - self.recent)
+        if step.decode:
+            self.held += 1
+            if self._tail_len() >= self.cap:
+                self._flush(self._tail_len() - self.recent)
+        self.scheduler.join()  # the next step reads the host store: after its writes
 
     def _attend_many(self, q, k, v, start):
         """Exact causal attention over all held tokens (middle fetched whole) and the new ones."""
@@ -169,7 +184,7 @@ class SparseOffloadCache(LayerCache):
         keys, vals = self.held_kv()
         return causal_attention(q, torch.cat([keys, k], 2), torch.cat([vals, v], 2), start)
 
-    def _decode(self, q, k, v, q_hat, p):
+    def _decode(self, q, k, v, q_hat, prefetched, p):
         S, dev = self.sink, q.device
         slot = torch.where(p < S, p, S + p - self.tail_start_dev)
         self.dev_k.index_copy_(2, slot, k)
@@ -180,7 +195,11 @@ class SparseOffloadCache(LayerCache):
         keys, vals = self.dev_k, self.dev_v
         valid = valid.expand(*self.dev_k.shape[:2], -1)
         if self.middle_whole or self.middle_bucket:
-            pos = self.selector.select(self, q, q_hat)                                   # [B, Hkv, K]
+            if self.middle_bucket and not prefetched:  # no prediction came: fetch from the current query
+                self.selector.prefetch(self, q)
+            elif prefetched:
+                self.scheduler.wait(self._fetched)
+            pos = self.selector.select(self, q)                                          # [B, Hkv, K]
             picked = (pos >= S) & (pos < self.tail_start_dev)
             pos = torch.where(picked, pos, S)  # a held row, masked below
             keys = torch.cat([keys, gather_rows(self.host_k, pos, dev, out=self.buffer("k_rows"))], 2)
@@ -227,11 +246,19 @@ class SparseOffloadCache(LayerCache):
         self._set_tail_start(self.tail_start + m)
 
     def _to_host(self, k, v, pos: int) -> None:
+        """Write tokens [pos, pos + m) to the host store on the copy stream (K^T transposed on the device
+        first), so the layers after this one compute meanwhile; commit() joins the streams."""
         m = k.shape[2]
-        if m:
-            self.host_k[:, :, pos:pos + m].copy_(k)
-            self.host_v[:, :, pos:pos + m].copy_(v)
-            self.host_kt[:, :, :, pos:pos + m].copy_(k.transpose(2, 3))
+        if not m:
+            return
+        kc, vc, ktc = k.contiguous(), v.contiguous(), k.transpose(2, 3).contiguous()
+        with self.scheduler.copy_stream(f"store:{self.spec.layer_idx}"):
+            host_copy(self.host_k[:, :, pos:pos + m], kc)
+            host_copy(self.host_v[:, :, pos:pos + m], vc)
+            host_copy(self.host_kt[:, :, :, pos:pos + m], ktc)
+            if kc.is_cuda:  # made on the compute stream, read here: not reused before the copies are done
+                for t in (kc, vc, ktc):
+                    t.record_stream(torch.cuda.current_stream(t.device))
 
     def _tail_len(self) -> int:
         return max(0, self.held - self.tail_start)

@@ -1,0 +1,103 @@
+"""The stage breakdown of decode steps (`tailorkv bench --profile`): torch.profiler records a few steps, and the
+kernels and copies of its trace are summed per stage and per stream.
+
+Per step: kernels launched, GPU busy time (the union of every kernel's and copy's interval, all streams), the
+wall time, the time each stage's kernels take (their intervals may overlap across streams), and how much of
+the copy stream's busy time ran while the compute stream was busy too (what the prefetch overlapped).
+Stages are read off kernel names, so a renamed kernel lands in `other`: the table says so."""
+from __future__ import annotations
+
+import json
+import re
+
+# first match wins; patterns are matched against lower-cased kernel names
+STAGES = (
+    ("pcie gather", r"gather_rows"),
+    ("1/2-bit attention", r"qk_quant|av_quant"),
+    ("selection", r"approx_scores|topk|radix|sort|bitonic|channel"),
+    ("attention", r"attend_decode|flash|fmha|attention|cudnn|softmax"),
+    ("dense (gemm/gemv)", r"gemm|gemv|cutlass|xmma|nvjet|sm90|sm80|splitk|cublas"),
+    ("fused norm/rope/silu", r"rms_norm|rope|silu_mul"),
+)
+COPIES = {"memcpy htod": "pcie copy h2d", "memcpy dtoh": "pcie copy d2h", "memcpy dtod": "device copy",
+          "memset": "memset"}
+
+
+def stage_of(name: str) -> str:
+    low = name.lower()
+    for stage, pattern in STAGES:
+        if re.search(pattern, low):
+            return stage
+    return "other (elementwise, index, cat, ...)"
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the union of a intersected with the union of b."""
+    return _union(a) + _union(b) - _union(a + b)
+
+
+def summarize(trace: dict, steps: int, wall_ms: float) -> dict:
+    """trace: a chrome trace (torch.profiler's export) covering `steps` decode steps of wall_ms each."""
+    gpu = []
+    for e in trace.get("traceEvents", []):
+        cat = str(e.get("cat", "")).lower()
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            gpu.append(e)
+    stages: dict[str, float] = {}
+    streams: dict[int, list[tuple[float, float]]] = {}
+    kernels = 0
+    for e in gpu:
+        name = str(e.get("name", ""))
+        if e["cat"].lower() == "kernel":
+            kernels += 1
+            stage = stage_of(name)
+        else:
+            stage = next((v for k, v in COPIES.items() if k in name.lower()), "copy")
+        stages[stage] = stages.get(stage, 0.0) + e["dur"] / 1e3
+        stream = int((e.get("args") or {}).get("stream", 0))
+        streams.setdefault(stream, []).append((e["ts"], e["ts"] + e["dur"]))
+    by_busy = sorted(streams, key=lambda s: -_union(streams[s]))
+    compute = by_busy[0] if by_busy else None
+    others = [iv for s in by_busy[1:] for iv in streams[s]]
+    busy = _union([iv for ivs in streams.values() for iv in ivs]) / 1e3
+    n = max(steps, 1)
+    return {"steps": steps, "kernels_per_step": kernels / n, "gpu_busy_ms": busy / n, "wall_ms": wall_ms,
+            "busy_fraction": busy / n / wall_ms if wall_ms else None,
+            "stage_ms": {k: v / n for k, v in sorted(stages.items(), key=lambda kv: -kv[1])},
+            "stream_busy_ms": {str(s): _union(streams[s]) / 1e3 / n for s in by_busy},
+            "other_streams_overlapped_ms": (_overlap(streams[compute], others) / 1e3 / n) if others else 0.0}
+
+
+def profile_steps(step, steps: int, trace_path: str | None = None) -> dict:
+    """Run step() `steps` times under torch.profiler (CUDA) and summarize; keeps the trace at trace_path."""
+    import os
+    import tempfile
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    path = trace_path or tempfile.mkstemp(suffix=".json")[1]
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    if trace_path is None:
+        os.unlink(path)
+    return summarize(trace, steps, wall_ms)
