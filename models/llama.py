@@ -58,10 +58,13 @@ class Attention(nn.Module, Stacked):
         return x.view(b, t, n, self.hd).transpose(1, 2)
 
     def forward(self, x, positions, rope: Rope, attend):
+        """-> the attention output per head [B, Hq, T, D], before the output projection (`project`)."""
         q, k, v = self.qkv_proj(x).split(self.sizes, -1)
         q, k = rope(self.heads(q, self.n_heads), self.heads(k, self.n_kv), positions)
-        o = attend(q, k, self.heads(v, self.n_kv))
-        del q, k, v  # long prompts: free them before the output projection
+        return attend(q, k, self.heads(v, self.n_kv))
+
+    def project(self, o):
+        """o [B, Hq, T, D] (a chunk of tokens) -> [B, T, dim]."""
         b, _, t, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
@@ -95,12 +98,13 @@ class Block(nn.Module):
     def forward(self, h, x, i, step, rope, cache, next_norm: RMSNorm):
         """x = this layer's normed input; h the residual stream (updated in place). Returns next_norm(h)."""
         cache.layer_input(i, x, step)
-        attn = self.self_attn(x, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
+        o = self.self_attn(x, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
         del x
         out = torch.empty_like(h)
-        for s in range(0, h.shape[1], MLP_CHUNK):  # long prompts in chunks: [T, hidden_dim] stays bounded
+        for s in range(0, h.shape[1], MLP_CHUNK):  # long prompts in chunks: [T, dim] temporaries stay small
             part = h[:, s:s + MLP_CHUNK]
-            m = self.mlp(self.post_attention_layernorm.add_then_norm(part, attn[:, s:s + MLP_CHUNK]))
+            attn = self.self_attn.project(o[:, :, s:s + MLP_CHUNK])
+            m = self.mlp(self.post_attention_layernorm.add_then_norm(part, attn))
             out[:, s:s + MLP_CHUNK] = next_norm.add_then_norm(part, m)
         return out
 

@@ -6,11 +6,18 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tailorkv.ops import attention_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 
 QUERY_CHUNK = 2048
+
+
+# On the H200, cuDNN's fused attention prefills causally at ~600-670 TFLOP/s, twice the flash backend
+# (bench/results/2026-11-30-h200-two-streams/sdpa_backends.json); SDPA takes the first backend that fits.
+PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
@@ -21,7 +28,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     if tq == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if q_offset == 0 and tq == tk and (q.is_cuda or tq <= QUERY_CHUNK):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        with sdpa_kernel(PREFILL_BACKENDS, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     out = torch.empty_like(q)
     for s in range(0, tq, QUERY_CHUNK):
         e = min(tq, s + QUERY_CHUNK)

@@ -15,7 +15,7 @@ STAGES = (
     ("pcie gather", r"gather_rows"),
     ("1/2-bit attention", r"qk_quant|av_quant"),
     ("selection", r"approx_scores|topk|radix|sort|bitonic|channel"),
-    ("attention", r"attend_decode|flash|fmha|attention|cudnn|softmax"),
+    ("attention", r"attend_|flash|fmha|attention|cudnn|softmax"),
     ("dense (gemm/gemv)", r"gemm|gemv|cutlass|xmma|nvjet|sm90|sm80|splitk|cublas"),
     ("fused norm/rope/silu", r"rms_norm|rope|silu_mul"),
 )
