@@ -3,7 +3,7 @@
 # named in STEPS, each under its own time limit, logging to $OUT/<step>.log, and print a summary last.
 #   STEPS="tests kernels fused bench" bash bench/device_session.sh
 # Steps: tests (pytest -m cuda), kernels (bench/kernels.py), fused (bench/fused.py), bench (BENCH_ARGS),
-# sdpa (bench/sdpa_backends.py).
+# sdpa (bench/sdpa_backends.py), equiv / equiv8b (bench/decode_equivalence.py on SmolLM2 / random 8B).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -13,6 +13,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 export TAILORKV_COMMIT=${TAILORKV_COMMIT:-unknown}
+# The SmolLM2 GGUF (98 MB) travels in two calls: .gguf1/part00 then .gguf2/part01, joined in /tmp/gguf.
+mkdir -p /tmp/gguf
+[ -f .gguf1/part00 ] && cp .gguf1/part00 /tmp/gguf/
+[ -f .gguf2/part01 ] && [ -f /tmp/gguf/part00 ] && cat /tmp/gguf/part00 .gguf2/part01 >/tmp/gguf/smollm2.gguf
+[ -f /tmp/gguf/smollm2.gguf ] && export TAILORKV_SMOLLM2_GGUF=/tmp/gguf/smollm2.gguf && md5sum /tmp/gguf/smollm2.gguf
 summary=()
 step() {  # name, limit in s, command...
     local name=$1 limit=$2
@@ -31,6 +36,9 @@ for s in ${STEPS:-tests}; do
         fused) step fused "${FUSED_LIMIT:-120}" python3 bench/fused.py --out "$OUT/fused" ;;
         bench) step bench "${BENCH_LIMIT:-400}" python3 -m tailorkv.cli bench ${BENCH_ARGS:-} --out "$OUT/bench" ;;
         sdpa) step sdpa "${SDPA_LIMIT:-60}" python3 bench/sdpa_backends.py --out "$OUT/sdpa" ;;
+        equiv) step equiv "${EQUIV_LIMIT:-240}" python3 bench/decode_equivalence.py ${EQUIV_ARGS:-} --out "$OUT/equiv" ;;
+        equiv8b) step equiv8b "${EQUIV_LIMIT:-240}" python3 bench/decode_equivalence.py --model llama-3.1-8b \
+            --random-weights ${EQUIV8B_ARGS:-} --out "$OUT/equiv" ;;
         *) echo "unknown step $s" ;;
     esac
 done

@@ -7,6 +7,7 @@ import os
 import torch
 
 from tailorkv.engine.cache import LayerSpec, ModelCache
+from tailorkv.engine.scheduler import Scheduler
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.models.loader import CONFIG_DIR
 
@@ -60,7 +61,8 @@ def policy_class(name: str):
 
 
 def build_cache(loaded, settings: MethodSettings, max_len: int, batch: int = 1,
-                device=None, dtype: torch.dtype | None = None) -> ModelCache:
+                device=None, dtype: torch.dtype | None = None, overlap: bool = True) -> ModelCache:
+    """overlap=False: one stream for everything (the synchronous reference of the two-stream pipeline)."""
     settings.validate()
     model, cfg = loaded.model, loaded.cfg
     device = device or model.output_weight.device
@@ -71,4 +73,5 @@ def build_cache(loaded, settings: MethodSettings, max_len: int, batch: int = 1,
         spec = LayerSpec(i, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, max_len, batch, dtype, torch.device(device))
         cls = policy_class(name)
         layers.append(cls(spec, settings))
-    return ModelCache(layers, query_fn=model.project_query, method=settings.method)
+    return ModelCache(layers, query_fn=model.project_query, method=settings.method,
+                      scheduler=Scheduler(torch.device(device), overlap=overlap))

@@ -57,9 +57,9 @@ class Attention(nn.Module, Stacked):
         b, t, _ = x.shape
         return x.view(b, t, n, self.hd).transpose(1, 2)
 
-    def forward(self, x, positions, rope: Rope, attend):
-        """-> the attention output per head [B, Hq, T, D], before the output projection (`project`)."""
-        q, k, v = self.qkv_proj(x).split(self.sizes, -1)
+    def forward(self, qkv, positions, rope: Rope, attend):
+        """qkv = qkv_proj(x) -> the attention output per head [B, Hq, T, D], before the output projection."""
+        q, k, v = qkv.split(self.sizes, -1)
         q, k = rope(self.heads(q, self.n_heads), self.heads(k, self.n_kv), positions)
         return attend(q, k, self.heads(v, self.n_kv))
 
@@ -95,11 +95,15 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, x, i, step, rope, cache, next_norm: RMSNorm):
-        """x = this layer's normed input; h the residual stream (updated in place). Returns next_norm(h)."""
+    def forward(self, h, x_holder: list, i, step, rope, cache, next_norm: RMSNorm):
+        """x_holder = [this layer's normed input], handed over (a long prompt's input is freed before the
+        attention); h the residual stream (updated in place). Returns next_norm(h)."""
+        x = x_holder.pop()
         cache.layer_input(i, x, step)
-        o = self.self_attn(x, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
+        qkv = self.self_attn.qkv_proj(x)
         del x
+        o = self.self_attn(qkv, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
+        del qkv
         out = torch.empty_like(h)
         for s in range(0, h.shape[1], MLP_CHUNK):  # long prompts in chunks: [T, dim] temporaries stay small
             part = h[:, s:s + MLP_CHUNK]
@@ -164,7 +168,9 @@ class Llama(nn.Module):
         x = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x = layer(h, x, i, step, self.rope, cache, nxt)
+            holder = [x]
+            del x
+            x = layer(h, holder, i, step, self.rope, cache, nxt)
         if not all_logits:
             x = x[:, -1:]
         logits = F.linear(x, self.output_weight).float()

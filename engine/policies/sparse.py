@@ -35,6 +35,7 @@ from tailorkv.ops.host_copy import host_copy
 from tailorkv.ops.host_gather import gather_rows
 
 FLUSH = 128  # generated tokens the tail may hold beyond `recent` before they move to the host store
+STORE_CHUNK = 16384  # prompt tokens copied to the host store at a time
 
 
 class SparseOffloadCache(LayerCache):
@@ -248,17 +249,16 @@ class SparseOffloadCache(LayerCache):
     def _to_host(self, k, v, pos: int) -> None:
         """Write tokens [pos, pos + m) to the host store on the copy stream (K^T transposed on the device
         first), so the layers after this one compute meanwhile; commit() joins the streams."""
-        m = k.shape[2]
-        if not m:
-            return
-        kc, vc, ktc = k.contiguous(), v.contiguous(), k.transpose(2, 3).contiguous()
-        with self.scheduler.copy_stream(f"store:{self.spec.layer_idx}"):
-            host_copy(self.host_k[:, :, pos:pos + m], kc)
-            host_copy(self.host_v[:, :, pos:pos + m], vc)
-            host_copy(self.host_kt[:, :, :, pos:pos + m], ktc)
-            if kc.is_cuda:  # made on the compute stream, read here: not reused before the copies are done
-                for t in (kc, vc, ktc):
-                    t.record_stream(torch.cuda.current_stream(t.device))
+        for s in range(0, k.shape[2], STORE_CHUNK):  # chunks bound the device copies of a long prompt
+            kc, vc = k[:, :, s:s + STORE_CHUNK].contiguous(), v[:, :, s:s + STORE_CHUNK].contiguous()
+            ktc, a, b = kc.transpose(2, 3).contiguous(), pos + s, pos + s + kc.shape[2]
+            with self.scheduler.copy_stream(f"store:{self.spec.layer_idx}"):
+                host_copy(self.host_k[:, :, a:b], kc)
+                host_copy(self.host_v[:, :, a:b], vc)
+                host_copy(self.host_kt[:, :, :, a:b], ktc)
+                if kc.is_cuda:  # made on the compute stream, read here: not reused before the copies are done
+                    for t in (kc, vc, ktc):
+                        t.record_stream(torch.cuda.current_stream(t.device))
 
     def _tail_len(self) -> int:
         return max(0, self.held - self.tail_start)
