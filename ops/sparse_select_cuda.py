@@ -2,12 +2,18 @@
 
 approx_scores: one thread per 8 (bf16/fp16) or 4 (fp32) consecutive tokens of one (batch, KV head), the r
     summed query channels in shared memory, 16-byte loads of each K^T row: a stream at memory speed.
-topk_tokens: one block of 1024 threads per row. A radix select on the float's order-preserving bit pattern
-    (12 + 12 + 8 bits: three histogram passes, each over the elements that match the digits found so far)
-    finds the k-th largest key exactly; then one counting pass and one writing pass emit the indices of every
-    element above it and of the first ties (lowest indices) up to k, in ascending index order. The row is
-    read 5 times (once from HBM, then from L2). Each warp owns a contiguous run of 4-element slots, so the
-    output order is the index order; slots that stick out of the row are read element by element.
+topk_tokens: exact, spread over about one block per multiprocessor in all (chunks of 2048..8192 elements of a
+    row per block), three launches of 512-thread blocks, graph-capturable (a zeroed workspace that every call
+    leaves zeroed again; no sync). Keys are the float's order-preserving bit patterns.
+    1. topk_hist: each chunk's histogram of the top 12 bits (sign, exponent, 3 mantissa bits) goes into the row's
+       histogram (global atomics of the non-empty bins); the last chunk of the row to finish (a ticket) finds the
+       bin T1 that holds the k-th largest key and the count above it.
+    2. topk_refine: each chunk counts its keys above T1 and appends its keys in T1 (with indices) to the row's
+       candidate list (a few hundred for real scores at N = 128k; the whole row if all are equal); the last chunk
+       finds the exact k-th largest key by two 10-bit histogram passes over the candidates, then per chunk its
+       output offset and how many of its keys equal to the k-th it takes (ties: the lowest indices of the row).
+    3. topk_write: each chunk writes its selected indices in ascending index order from its offset.
+    The row is read from HBM once and twice more from L2.
 """
 from __future__ import annotations
 
@@ -72,31 +78,17 @@ extern "C" __global__ void __launch_bounds__(128) approx_scores_kernel(
 """
 
 _TOPK = r"""
-#define THREADS 1024
+#define THREADS 512
 #define WARPS (THREADS / 32)
-#define BATCH 4                        // slots each lane has in flight
+#define EPT 16                         // elements per thread at most: chunks of <= THREADS * EPT elements
+#define BINS 4096                      // first digit: the key's top 12 bits (sign, exponent, 3 mantissa bits)
+#define BINS2 1024                     // second and third digits: 10 bits each
+#define MAXC 1024                      // chunks per row at most
 #define FULL 0xffffffffu
 
-__device__ __forceinline__ unsigned fkey(float f) {   // larger float -> larger key (NaN above +inf)
+__device__ __forceinline__ unsigned fkey(float f) {    // larger float -> larger key (NaN above +inf)
     const unsigned u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// slot V covers row indices 4V - off .. 4V - off + 3 (off makes full slots 16-byte aligned); vmask: valid ones
-__device__ __forceinline__ unsigned load_slot(const float* row, long long V, int off, int N, unsigned* key) {
-    const long long i0 = 4 * V - off;
-    if (i0 >= 0 && i0 + 4 <= N) {
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(row + i0));
-        key[0] = fkey(x.x); key[1] = fkey(x.y); key[2] = fkey(x.z); key[3] = fkey(x.w);
-        return 0xFu;
-    }
-    unsigned vmask = 0;
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        key[j] = 0u;
-        if (i0 + j >= 0 && i0 + j < N) { key[j] = fkey(__ldcg(row + i0 + j)); vmask |= 1u << j; }
-    }
-    return vmask;
 }
 
 // exclusive prefix sum over the block (thread order); *total gets the sum. Holds two __syncthreads.
@@ -116,108 +108,225 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* wsum, int* total
     return before + x - v;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
-        const float* __restrict__ scores, const long long ssb, const long long ssh, const int Hkv, const int N,
-        const int k, long long* __restrict__ out) {
-    __shared__ int hist[4096];
-    __shared__ int wsum[WARPS], wgt[WARPS], weq[WARPS];
-    __shared__ unsigned s_digit;
-    __shared__ int s_above;
-    const int bh = blockIdx.x, b = bh / Hkv, h = bh % Hkv;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float* row = scores + b * ssb + h * ssh;
-    const int off = (int)((reinterpret_cast<unsigned long long>(row) >> 2) & 3);
-    const long long nslots = (N + off + 3) / 4;
-    const long long per_warp = (nslots + WARPS * 32 - 1) / (WARPS * 32) * 32;
-    const long long s0 = warp * per_warp, s1 = min(nslots, s0 + per_warp);
-
-    unsigned prefix = 0u, mask = 0u;
-    int kk = k;                              // how many of the elements matching `prefix` are still to take
-    #pragma unroll 1
-    for (int pass = 0; pass < 3; ++pass) {
-        const int shift = pass == 0 ? 20 : (pass == 1 ? 8 : 0), nb = pass < 2 ? 4096 : 256;
-        for (int i = threadIdx.x; i < nb; i += THREADS) hist[i] = 0;
-        __syncthreads();
-        for (long long V = s0 + lane; V < s1; V += 32 * BATCH) {
-            unsigned key[BATCH][4], vm[BATCH];
-            #pragma unroll
-            for (int u = 0; u < BATCH; ++u) vm[u] = V + 32 * u < s1 ? load_slot(row, V + 32 * u, off, N, key[u]) : 0u;
-            #pragma unroll
-            for (int u = 0; u < BATCH; ++u)
-            #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                if ((vm[u] >> j & 1u) && (key[u][j] & mask) == prefix)
-                    atomicAdd(&hist[(key[u][j] >> shift) & (nb - 1)], 1);
-        }
-        __syncthreads();
-        // bins from the top: thread t owns bins nb-1-t*per .. nb-per-t*per
-        const int per = nb / THREADS > 0 ? nb / THREADS : 1;
-        int s = 0;
-        if (threadIdx.x * per < nb)
-            for (int j = 0; j < per; ++j) s += hist[nb - 1 - (threadIdx.x * per + j)];
-        int total;
-        int above = block_exclusive_scan(s, wsum, &total);
-        if (threadIdx.x * per < nb && above < kk && kk <= above + s)
-            for (int j = 0; j < per; ++j) {
-                const int bin = nb - 1 - (threadIdx.x * per + j), c = hist[bin];
-                if (above + c >= kk) { s_digit = bin; s_above = above; break; }
-                above += c;
-            }
-        __syncthreads();
-        kk -= s_above;
-        prefix |= s_digit << shift;
-        mask |= (unsigned)(nb - 1) << shift;
-        __syncthreads();
-    }
-    // prefix is now the k-th largest key: take every key above it and the first kk keys equal to it
-    int gt = 0, eq = 0;
-    for (long long V = s0 + lane; V < s1; V += 32 * BATCH) {
-        unsigned key[BATCH][4], vm[BATCH];
-        #pragma unroll
-        for (int u = 0; u < BATCH; ++u) vm[u] = V + 32 * u < s1 ? load_slot(row, V + 32 * u, off, N, key[u]) : 0u;
-        #pragma unroll
-        for (int u = 0; u < BATCH; ++u)
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) if (vm[u] >> j & 1u) { gt += key[u][j] > prefix; eq += key[u][j] == prefix; }
-    }
+// Over a histogram h of nb bins (nb a multiple of THREADS), the bin holding the need-th largest key counted from
+// the top: *bin, and *above = how many keys lie in higher bins. Every thread calls it; holds 3 __syncthreads.
+__device__ __forceinline__ void find_bin(const int* h, int nb, int need, int* wsum, int* s_bin, int* s_above,
+                                         bool ldcg) {
+    const int per = nb / THREADS;
+    int c[BINS / THREADS], s = 0;
     #pragma unroll
-    for (int o = 16; o; o >>= 1) { gt += __shfl_xor_sync(FULL, gt, o); eq += __shfl_xor_sync(FULL, eq, o); }
-    if (lane == 0) { wgt[warp] = gt; weq[warp] = eq; }
+    for (int j = 0; j < BINS / THREADS; ++j)
+        if (j < per) {
+            const int bin = nb - 1 - (threadIdx.x * per + j);
+            c[j] = ldcg ? __ldcg(h + bin) : h[bin];
+            s += c[j];
+        }
+    int total;
+    int above = block_exclusive_scan(s, wsum, &total);
+    if (above < need && need <= above + s) {
+        #pragma unroll
+        for (int j = 0; j < BINS / THREADS; ++j)
+            if (j < per) {
+                if (above + c[j] >= need) { s_bin[0] = nb - 1 - (threadIdx.x * per + j); *s_above = above; break; }
+                above += c[j];
+            }
+    }
     __syncthreads();
-    int gbase = 0, ebase = 0;
-    for (int w = 0; w < warp; ++w) { gbase += wgt[w]; ebase += weq[w]; }
-    long long* o = out + (long long)bh * k;
-    for (long long V0 = s0; V0 < s1; V0 += 32 * BATCH) {  // warp-uniform loop: BATCH steps of 32 slots
-        unsigned key[BATCH][4], vm[BATCH];
-        #pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            const long long V = V0 + 32 * u + lane;
-            vm[u] = V < s1 ? load_slot(row, V, off, N, key[u]) : 0u;
+}
+
+// A row's chunk `chunk` as keys in registers: element c0 + j * THREADS + threadIdx.x (coalesced)
+__device__ __forceinline__ int load_keys(const float* row, int c0, int c1, unsigned* key) {
+    int n = 0;
+    #pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+        const int i = c0 + j * THREADS + threadIdx.x;
+        key[j] = i < c1 ? fkey(row[i]) : 0u;
+        n += i < c1;
+    }
+    return n;
+}
+
+// Pass 1, grid (chunks, rows): each chunk's histogram of the first digit is added into the row's histogram (in
+// the zeroed workspace); the last chunk of the row to finish finds the bin of the k-th largest key (T1) and how
+// many keys lie above it.
+extern "C" __global__ void __launch_bounds__(THREADS) topk_hist(
+        const float* __restrict__ scores, const long long ssb, const long long ssh, const int Hkv, const int N,
+        const int CS, const int k, int* __restrict__ ws, const int R, int* __restrict__ meta) {
+    __shared__ int hist[BINS];
+    __shared__ int scratch[WARPS + 1];
+    __shared__ int s_above, s_last;
+    const int r = blockIdx.y, chunk = blockIdx.x, C = gridDim.x;
+    const float* row = scores + (r / Hkv) * ssb + (r % Hkv) * ssh;
+    for (int i = threadIdx.x; i < BINS; i += THREADS) hist[i] = 0;
+    __syncthreads();
+    const int c0 = chunk * CS, c1 = min(c0 + CS, N);
+    unsigned key[EPT];
+    load_keys(row, c0, c1, key);
+    #pragma unroll
+    for (int j = 0; j < EPT; ++j)
+        if (c0 + j * THREADS + (int)threadIdx.x < c1) atomicAdd(&hist[key[j] >> 20], 1);
+    __syncthreads();
+    int* gh = ws + (long long)r * BINS;
+    for (int i = threadIdx.x; i < BINS; i += THREADS)
+        if (hist[i]) atomicAdd(gh + i, hist[i]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(ws + (long long)R * BINS + r, 1) == C - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    find_bin(gh, BINS, k, scratch + 1, scratch, &s_above, true);
+    if (threadIdx.x == 0) {
+        meta[4 * r] = scratch[0];
+        meta[4 * r + 1] = s_above;
+        ws[(long long)R * BINS + r] = 0;                     // ticket reset for the next call
+    }
+}
+
+// Pass 2: each chunk counts its keys above bin T1 and appends the keys in bin T1 (with their indices) to the
+// row's candidate list; the last chunk to finish finds the exact k-th largest key among the candidates (two
+// 10-bit digits), then per chunk where its selected indices start in the output and how many of its keys equal
+// to the k-th largest it takes (ties: the lowest indices of the row), and resets the workspace.
+extern "C" __global__ void __launch_bounds__(THREADS) topk_refine(
+        const float* __restrict__ scores, const long long ssb, const long long ssh, const int Hkv, const int N,
+        const int CS, const int k, int* __restrict__ ws, const int R, int* __restrict__ meta,
+        int* __restrict__ cinfo, unsigned* __restrict__ ckey, int* __restrict__ cidx) {
+    __shared__ int hist[BINS2];
+    __shared__ int cg[MAXC], ce[MAXC];
+    __shared__ int scratch[WARPS + 1];
+    __shared__ int s_above, s_last, s_n;
+    const int r = blockIdx.y, chunk = blockIdx.x, C = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* row = scores + (r / Hkv) * ssb + (r % Hkv) * ssh;
+    const unsigned T1 = (unsigned)meta[4 * r];
+    const int above1 = meta[4 * r + 1];
+    int* ncand = ws + (long long)R * BINS + 2 * R + r;
+    unsigned* ck = ckey + (long long)r * N;
+    int* ci = cidx + (long long)r * N;
+    const int c0 = chunk * CS, c1 = min(c0 + CS, N);
+    unsigned key[EPT];
+    load_keys(row, c0, c1, key);
+    int gt = 0;
+    #pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+        const int i = c0 + j * THREADS + (int)threadIdx.x;
+        const bool ok = i < c1;
+        gt += ok && (key[j] >> 20) > T1;
+        const bool cand = ok && (key[j] >> 20) == T1;
+        const unsigned m = __ballot_sync(FULL, cand);           // one atomic per warp and round
+        int base = 0;
+        if (m && lane == __ffs(m) - 1) base = atomicAdd(ncand, __popc(m));
+        base = __shfl_sync(FULL, base, __ffs(m | 1u) - 1);
+        if (cand) {
+            const int at = base + __popc(m & ((1u << lane) - 1u));
+            ck[at] = key[j];
+            ci[at] = i;
         }
-        #pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            int cg = 0, ce = 0;
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) if (vm[u] >> j & 1u) { cg += key[u][j] > prefix; ce += key[u][j] == prefix; }
-            int ig = cg, ie = ce;                          // inclusive scans over the lanes
-            #pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const int yg = __shfl_up_sync(FULL, ig, d), ye = __shfl_up_sync(FULL, ie, d);
-                if (lane >= d) { ig += yg; ie += ye; }
-            }
-            int g_before = gbase + ig - cg, e_before = ebase + ie - ce;
-            const long long V = V0 + 32 * u + lane;
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (!(vm[u] >> j & 1u)) continue;
-                const bool is_gt = key[u][j] > prefix, is_eq = key[u][j] == prefix;
-                if (is_gt || (is_eq && e_before < kk)) o[g_before + min(e_before, kk)] = 4 * V - off + j;
-                g_before += is_gt;
-                e_before += is_eq;
-            }
-            gbase += __shfl_sync(FULL, ig, 31);
-            ebase += __shfl_sync(FULL, ie, 31);
+    }
+    for (int o = 16; o; o >>= 1) gt += __shfl_xor_sync(FULL, gt, o);
+    if (lane == 0) scratch[1 + warp] = gt;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int t = 0;
+        for (int w = 0; w < WARPS; ++w) t += scratch[1 + w];
+        cinfo[3 * ((long long)r * C + chunk)] = t;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(ws + (long long)R * BINS + R + r, 1) == C - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (threadIdx.x == 0) s_n = __ldcg(ncand);
+    __syncthreads();
+    const int n = s_n;
+    int need = k - above1;                                   // 1 .. number of candidates
+    unsigned prefix = T1 << 20;
+    #pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {                   // bits 19..10, then 9..0
+        const int shift = pass ? 0 : 10;
+        const unsigned mask = pass ? 0xfffffc00u : 0xfff00000u;
+        for (int i = threadIdx.x; i < BINS2; i += THREADS) hist[i] = 0;
+        __syncthreads();
+        for (int c = threadIdx.x; c < n; c += THREADS) {
+            const unsigned x = __ldcg(ck + c);
+            if ((x & mask) == prefix) atomicAdd(&hist[(x >> shift) & (BINS2 - 1)], 1);
         }
+        __syncthreads();
+        find_bin(hist, BINS2, need, scratch + 1, scratch, &s_above, false);
+        prefix |= (unsigned)scratch[0] << shift;
+        need -= s_above;
+        __syncthreads();
+    }
+    const unsigned thr = prefix;                             // the k-th largest key; `need` of its ties are taken
+    for (int c = threadIdx.x; c < C; c += THREADS) { cg[c] = __ldcg(cinfo + 3 * ((long long)r * C + c)); ce[c] = 0; }
+    __syncthreads();
+    for (int c = threadIdx.x; c < n; c += THREADS) {
+        const unsigned x = __ldcg(ck + c);
+        const int ch = __ldcg(ci + c) / CS;
+        if (x > thr) atomicAdd(&cg[ch], 1);
+        else if (x == thr) atomicAdd(&ce[ch], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int off = 0, taken = 0;
+        for (int c = 0; c < C; ++c) {                        // chunks in index order
+            const int take = min(ce[c], need - taken);
+            int* info = cinfo + 3 * ((long long)r * C + c);
+            info[1] = off;
+            info[2] = take;
+            off += cg[c] + take;
+            taken += take;
+        }
+        meta[4 * r + 2] = (int)thr;
+        *ncand = 0;                                          // workspace reset for the next call
+        ws[(long long)R * BINS + R + r] = 0;
+    }
+    int* gh = ws + (long long)r * BINS;
+    for (int i = threadIdx.x; i < BINS; i += THREADS) gh[i] = 0;
+}
+
+// Pass 3: each chunk writes the indices of its keys above the k-th largest and of its first `take` keys equal
+// to it, in ascending index order, from its offset on.
+extern "C" __global__ void __launch_bounds__(THREADS) topk_write(
+        const float* __restrict__ scores, const long long ssb, const long long ssh, const int Hkv, const int N,
+        const int CS, const int k, const int* __restrict__ meta, const int* __restrict__ cinfo,
+        long long* __restrict__ out) {
+    __shared__ int pg[EPT * WARPS], pe[EPT * WARPS];
+    __shared__ int scratch[WARPS];
+    const int r = blockIdx.y, chunk = blockIdx.x, C = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* row = scores + (r / Hkv) * ssb + (r % Hkv) * ssh;
+    const unsigned thr = (unsigned)meta[4 * r + 2];
+    const int* info = cinfo + 3 * ((long long)r * C + chunk);
+    const int off = info[1], take = info[2];
+    const int c0 = chunk * CS, c1 = min(c0 + CS, N);
+    unsigned key[EPT], bg[EPT], be[EPT];
+    load_keys(row, c0, c1, key);
+    #pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+        const bool ok = c0 + j * THREADS + (int)threadIdx.x < c1;
+        bg[j] = __ballot_sync(FULL, ok && key[j] > thr);
+        be[j] = __ballot_sync(FULL, ok && key[j] == thr);
+        if (lane == 0) { pg[j * WARPS + warp] = __popc(bg[j]); pe[j * WARPS + warp] = __popc(be[j]); }
+    }
+    __syncthreads();
+    // exclusive prefix over (round j, warp) in that order = index order
+    int vg = threadIdx.x < EPT * WARPS ? pg[threadIdx.x] : 0, ve = threadIdx.x < EPT * WARPS ? pe[threadIdx.x] : 0;
+    int tg, te;
+    const int xg = block_exclusive_scan(vg, scratch, &tg);
+    const int xe = block_exclusive_scan(ve, scratch, &te);
+    if (threadIdx.x < EPT * WARPS) { pg[threadIdx.x] = xg; pe[threadIdx.x] = xe; }
+    __syncthreads();
+    long long* o = out + (long long)r * k + off;
+    const unsigned lt = (1u << lane) - 1u;
+    #pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+        const bool is_gt = (bg[j] >> lane) & 1u, is_eq = (be[j] >> lane) & 1u;
+        if (!is_gt && !is_eq) continue;
+        const int g_before = pg[j * WARPS + warp] + __popc(bg[j] & lt);
+        const int e_before = pe[j * WARPS + warp] + __popc(be[j] & lt);
+        if (is_gt || e_before < take) o[g_before + min(e_before, take)] = c0 + j * THREADS + (int)threadIdx.x;
     }
 }
 """
@@ -271,27 +380,66 @@ def load_approx_scores():
     return approx_scores
 
 
+TOPK_THREADS, TOPK_EPT, TOPK_BINS, TOPK_MAXC = 512, 16, 4096, 1024
+
+
+def topk_chunk(N: int, rows: int, device: torch.device) -> int:
+    """Elements per block: enough blocks for about one per multiprocessor over all rows, between 2048 and
+    THREADS * EPT = 8192 per block (a multiple of THREADS)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-N * rows // sms)
+    cs = -(-want // TOPK_THREADS) * TOPK_THREADS
+    return max(2048, min(TOPK_THREADS * TOPK_EPT, cs))
+
+
 def load_topk_tokens():
-    kernel = compile_module(topk_source()).get_function("topk_rows")
+    mod = compile_module(topk_source())
+    kernels = [mod.get_function(n) for n in ("topk_hist", "topk_refine", "topk_write")]
+    workspaces = {}
     from tailorkv.ops.sparse_select import topk_tokens as op
     reference = op.reference
 
+    def workspace(R: int, device: torch.device) -> torch.Tensor:
+        """Zeroed int32 per row: the first digit's histogram, two tickets and the candidate count; every call
+        leaves it zeroed again (the last block of each row resets its part). Kept for the process: CUDA graphs
+        hold its address."""
+        key = (R, device.index)
+        if key not in workspaces:
+            if torch.cuda.is_current_stream_capturing():  # never cache memory of a graph's private pool
+                return torch.zeros(R * (TOPK_BINS + 3), dtype=torch.int32, device=device)
+            workspaces[key] = torch.zeros(R * (TOPK_BINS + 3), dtype=torch.int32, device=device)
+        return workspaces[key]
+
     def topk_tokens(scores, k: int):
         """Kernel for fp32 scores [B, Hkv, N] with unit token stride: the SET of the min(k, N) largest, as
-        indices in ascending order (where the k-th score ties, the lowest tied indices). Else the reference
-        (which orders by score)."""
+        indices in ascending order; where the k-th largest value ties, the lowest tied indices (NaN counts as
+        larger than +inf). Else the reference (which orders by score)."""
         B, Hkv, N = scores.shape
-        if scores.dtype != torch.float32 or scores.stride(-1) != 1 or N >= 2**31 - 4:
+        R = B * Hkv
+        if (scores.dtype != torch.float32 or scores.stride(-1) != 1 or N >= 2**31 - TOPK_THREADS * TOPK_EPT
+                or not 0 < R <= 65535):
             return reference(scores, k)
         k = min(k, N)
-        if k <= 0 or B * Hkv == 0:
+        if k <= 0:
             return torch.empty(B, Hkv, max(k, 0), dtype=torch.int64, device=scores.device)
         if k == N:
             return torch.arange(N, device=scores.device).expand(B, Hkv, N).contiguous()
+        cs = topk_chunk(N, R, scores.device)
+        C = -(-N // cs)
+        if C > TOPK_MAXC:
+            return reference(scores, k)
+        ws = workspace(R, scores.device)
+        scratch = torch.empty(4 * R + 3 * R * C + 2 * R * N, dtype=torch.int32, device=scores.device)
+        meta, cinfo = scratch[:4 * R], scratch[4 * R:4 * R + 3 * R * C]
+        ckey, cidx = scratch[4 * R + 3 * R * C:4 * R + 3 * R * C + R * N], scratch[4 * R + 3 * R * C + R * N:]
         out = torch.empty(B, Hkv, k, dtype=torch.int64, device=scores.device)
-        launch(kernel, (B * Hkv,), (1024,),
-               (ptr(scores), np.int64(scores.stride(0)), np.int64(scores.stride(1)), np.int32(Hkv), np.int32(N),
-                np.int32(k), ptr(out)), scores.device)
+        common = (ptr(scores), np.int64(scores.stride(0)), np.int64(scores.stride(1)), np.int32(Hkv), np.int32(N),
+                  np.int32(cs), np.int32(k))
+        grid, block = (C, R), (TOPK_THREADS,)
+        launch(kernels[0], grid, block, common + (ptr(ws), np.int32(R), ptr(meta)), scores.device)
+        launch(kernels[1], grid, block, common + (ptr(ws), np.int32(R), ptr(meta), ptr(cinfo), ptr(ckey), ptr(cidx)),
+               scores.device)
+        launch(kernels[2], grid, block, common + (ptr(meta), ptr(cinfo), ptr(out)), scores.device)
         return out
 
     return topk_tokens
