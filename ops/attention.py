@@ -1,7 +1,7 @@
 """Dense causal attention with GQA (no repeat of KV heads), for any query offset; decode attention over a
 preallocated buffer with a device-side length (attend_decode) and a sparse layer's fused decode attention over
-its device slots and rows of its pinned host store (sparse_decode_attention); CUDA kernels for both in
-ops/attention_cuda.py."""
+its device slots and rows of its pinned host store (sparse_decode_attention); their CUDA kernels are in
+ops/attention_cuda.py and ops/sparse_attention_cuda.py (shared tile code: ops/attention_tiles_cuda.py)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tailorkv.ops import attention_cuda
+from tailorkv.ops import attention_cuda, sparse_attention_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 from tailorkv.ops.host_gather import gather_rows
 
@@ -80,7 +80,7 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: tor
     return (probs @ vz).reshape(B, Hq, 1, D).to(q.dtype)
 
 
-register_kernel("attend_decode", attention_cuda.load)
+register_kernel("attend_decode", lambda: attention_cuda.load(attend_decode.reference))
 
 
 @op("sparse_decode_attention")
@@ -123,4 +123,4 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     return (probs @ vals).reshape(B, Hq, 1, D).to(q.dtype)
 
 
-register_kernel("sparse_decode_attention", attention_cuda.load_sparse)
+register_kernel("sparse_decode_attention", lambda: sparse_attention_cuda.load(sparse_decode_attention.reference))
