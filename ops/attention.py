@@ -1,5 +1,7 @@
 """Dense causal attention with GQA (no repeat of KV heads), for any query offset; decode attention over a
-preallocated buffer with a device-side length (attend_decode, CUDA kernel in ops/attention_cuda.py)."""
+preallocated buffer with a device-side length (attend_decode) and a sparse layer's fused decode attention over
+its device slots and rows of its pinned host store (sparse_decode_attention); their CUDA kernels are in
+ops/attention_cuda.py and ops/sparse_attention_cuda.py (shared tile code: ops/attention_tiles_cuda.py)."""
 from __future__ import annotations
 
 import math
@@ -8,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tailorkv.ops import attention_cuda
+from tailorkv.ops import attention_cuda, sparse_attention_cuda
 from tailorkv.ops.dispatch import op, register_kernel
+from tailorkv.ops.host_gather import gather_rows
 
 QUERY_CHUNK = 2048
 
@@ -85,4 +88,47 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: tor
     return (probs @ vz).reshape(B, Hq, 1, D).to(q.dtype)
 
 
-register_kernel("attend_decode", attention_cuda.load)
+register_kernel("attend_decode", lambda: attention_cuda.load(attend_decode.reference))
+
+
+@op("sparse_decode_attention")
+def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.Tensor,
+                            host_k: torch.Tensor | None, host_v: torch.Tensor | None, pos: torch.Tensor | None,
+                            position: torch.Tensor, tail_start: torch.Tensor, sink: int, pos_offset: int = 0,
+                            sm_scale: float | None = None) -> torch.Tensor:
+    """A sparse layer's decode attention (engine/policies/sparse.py) in one op: one fp32 softmax per query head
+    over every held key of two sources, GQA without repeat_kv.
+    q [B, Hq, 1, D]; dev_k, dev_v [B, Hkv, S + C, D]: device slots, slot s < S (= sink) held iff s <= p, slot
+    s >= S held iff s - S <= p - tail_start; position: the new token's position p ([1] or 0-dim int64 tensor),
+    tail_start: 0-dim int64 tensor, both on q's device (read there: no sync). pos [B, Hkv, K] int64 (or None:
+    no host rows): selected positions, absolute after adding pos_offset; a row is held iff
+    S <= pos + pos_offset < tail_start, and then its K and V are row pos + pos_offset of host_k / host_v
+    [B, Hkv, N, D] (pinned host memory, read zero-copy by the kernel). Rows that are not held are never read.
+    -> [B, Hq, 1, D] in q's dtype; zeros where no key is held.
+    The reference gathers with gather_rows' reference (the positions go to the host: one sync)."""
+    B, Hq, _, D = q.shape
+    Hkv, SC = dev_k.shape[1], dev_k.shape[2]
+    dev = q.device
+    p = position.to(dev).reshape(-1)[0]
+    ts = tail_start.to(dev).reshape(())
+    slots = torch.arange(SC, device=dev)
+    valid = torch.where(slots < sink, slots <= p, slots - sink <= p - ts).expand(B, Hkv, SC)
+    keys, vals = dev_k.float(), dev_v.float()
+    if pos is not None and pos.shape[-1] > 0:
+        absolute = pos.to(dev) + pos_offset
+        picked = (absolute >= sink) & (absolute < ts)
+        safe = torch.where(picked, absolute, 0).clamp_(0, host_k.shape[2] - 1)
+        rows_k = gather_rows.reference(host_k, safe, dev).float()
+        rows_v = gather_rows.reference(host_v, safe, dev).float()
+        keys, vals = torch.cat([keys, rows_k], 2), torch.cat([vals, rows_v], 2)
+        valid = torch.cat([valid, picked], 2)
+    keys = keys.masked_fill(~valid[..., None], 0.0)                # never let a row that is not held in
+    vals = vals.masked_fill(~valid[..., None], 0.0)
+    scale = softmax_scale(D) if sm_scale is None else sm_scale
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
+    scores = (qg @ keys.transpose(-1, -2) * scale).masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, -1).masked_fill(~valid.any(-1)[:, :, None, None], 0.0)  # nothing held: zeros
+    return (probs @ vals).reshape(B, Hq, 1, D).to(q.dtype)
+
+
+register_kernel("sparse_decode_attention", lambda: sparse_attention_cuda.load(sparse_decode_attention.reference))

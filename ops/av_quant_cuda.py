@@ -254,11 +254,10 @@ def _supported(probs, v_codes, v_scale, v_min, bits, group) -> bool:
             and all(rows_contiguous(t, 2) for t in (v_codes, v_scale, v_min)))
 
 
-def load():
+def load(reference):
+    """reference: the torch av_quant, for the arguments the kernel does not take."""
     compile_module(source(1, 128, 1)).get_function("av_quant_partial")  # fail early
     kernels = {}
-    from tailorkv.ops.quant_attention import av_quant as op
-    reference = op.reference
 
     def av_quant(probs, v_codes, v_scale, v_min, bits: int = 1, group: int = 64):
         """Kernel for bits 1/2, head_dim 64 (up to 16 query heads per KV head) or 128 (up to 10), value group

@@ -29,4 +29,4 @@ def gather_rows(host: torch.Tensor, idx: torch.Tensor, device: torch.device,
     return out.copy_(rows)
 
 
-register_kernel("gather_rows", host_gather_cuda.load)
+register_kernel("gather_rows", lambda: host_gather_cuda.load(gather_rows.reference))

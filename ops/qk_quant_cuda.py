@@ -211,11 +211,10 @@ def _supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
             and all(rows_contiguous(t, 2) and aligned(t, 16, (0, 1)) for t in (k_codes, k_scale, k_min)))
 
 
-def load():
+def load(reference):
+    """reference: the torch qk_quant, for the arguments the kernel does not take."""
     compile_module(source(1, 128, 1, 1, torch.bfloat16)).get_function("qk_quant_kernel")  # fail early
     kernels = {}
-    from tailorkv.ops.quant_attention import qk_quant as op
-    reference = op.reference
 
     def qk_quant(q, k_codes, k_scale, k_min, bits: int = 1, group: int = 64, sm_scale: float = 1.0):
         """Kernel for bits 1/2, group 64, head_dim 64/128, q fp16/bf16 (up to 32 query heads per KV head) or

@@ -52,5 +52,5 @@ def av_quant(probs: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, 
     return out.reshape(B, Hq, 1, D)
 
 
-register_kernel("qk_quant", qk_quant_cuda.load)
-register_kernel("av_quant", av_quant_cuda.load)
+register_kernel("qk_quant", lambda: qk_quant_cuda.load(qk_quant.reference))
+register_kernel("av_quant", lambda: av_quant_cuda.load(av_quant.reference))

@@ -1,5 +1,8 @@
-"""attend_decode (decode attention over a preallocated buffer with a device-side length): the torch reference
-against a plain formula, and the flash-decoding kernel against the reference.
+"""attend_decode (decode attention over a preallocated buffer with a device-side length) and
+sparse_decode_attention (a sparse layer's device slots + selected host rows in one softmax): the torch references
+against plain formulas (and the sparse policy's former gathers + cats + masks + decode_attention), the kernels
+against the references (poisoned outputs and unused slots, dispatch, CUDA-graph replays with changed device
+scalars).
 
 Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
@@ -12,7 +15,8 @@ import pytest
 import torch
 
 from tailorkv.ops import dispatch
-from tailorkv.ops.attention import attend_decode
+from tailorkv.ops.attention import attend_decode, decode_attention, sparse_decode_attention
+from tailorkv.ops.host_gather import gather_rows
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_kernels_attention seed: TAILORKV_SEED={SEED}")
@@ -36,6 +40,13 @@ def plain(q, k, v, lengths, sm_scale):
         p = torch.softmax(q[b].double() @ kb.transpose(-1, -2) * sm_scale, -1)
         out[b] = p @ vb
     return out
+
+
+def poison():
+    """Fill and free blocks of the sizes the kernels allocate (output, partials), so that a kernel that leaves
+    any of it unwritten shows NaN."""
+    for n in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
+        torch.full((n,), float("nan"), device="cuda")
 
 
 def buffers(g, B, Hq, Hkv, N, D, lengths, dtype, device="cpu"):
@@ -67,6 +78,9 @@ def test_attend_decode_reference_equals_plain_formula(B, Hq, Hkv, N, D, lengths)
 
 CASES = [  # (B, Hq, Hkv, N, D, lengths, dtype)
     (1, 32, 8, 131072, 128, [131072], torch.bfloat16), (1, 32, 8, 131072, 128, [9000], torch.bfloat16),
+    (1, 32, 8, 131072, 128, [1024], torch.bfloat16), (1, 32, 8, 131072, 128, [32768], torch.bfloat16),
+    (1, 32, 8, 131072, 128, [1], torch.bfloat16), (1, 32, 8, 131072, 128, [0], torch.bfloat16),
+    (2, 64, 8, 3000, 128, [2999, 64], torch.bfloat16), (1, 12, 1, 777, 64, [777], torch.float16),
     (2, 32, 8, 5000, 128, [4999, 1], torch.float16), (1, 9, 3, 1000, 64, [777], torch.bfloat16),
     (3, 4, 4, 300, 64, [0, 300, 65], torch.float16), (1, 16, 1, 2048, 128, [2048], torch.bfloat16),
     (2, 24, 8, 700, 128, [700, 700], torch.bfloat16), (1, 8, 8, 64, 128, [64], torch.float16),
@@ -81,12 +95,17 @@ def test_attend_decode_kernel_equals_reference(B, Hq, Hkv, N, D, lengths, dtype)
     length = (torch.tensor(lengths) if len(set(lengths)) > 1 else torch.tensor(lengths[0])).cuda()
     kernel = dispatch.kernel_for("attend_decode", q, k, v, length)
     assert kernel is not None, "the attend_decode kernel did not load (CuPy missing?)"
-    torch.full((B * Hq * D,), float("nan"), dtype=dtype, device="cuda")  # poison the block the output reuses
+    poison()
     got = kernel(q, k, v, length)
     assert got.shape == q.shape and got.dtype == dtype
     want = attend_decode.reference(q, k, v, length)
+    if max(lengths) == 0:
+        assert torch.equal(got, torch.zeros_like(got))
+        return
     assert rel_err(got, want) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
     assert rel_err(got, plain(q, k, v, lengths, 1 / math.sqrt(D)).to(dtype)) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+    poison()
+    assert torch.equal(kernel(q, k, v, length), got), "a second call (counters reset) gives the same bits"
 
 
 @pytest.mark.cuda
@@ -99,9 +118,174 @@ def test_attend_decode_kernel_follows_the_device_length_in_a_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attend_decode(q, k, v, length)
-    for n in (100, 1, 2500, N):
+    for n in (100, 1, 2500, 0, N):
         length.fill_(n)
         graph.replay()
         torch.cuda.synchronize()
         want = attend_decode.reference(q, k, v, length)
+        if n == 0:
+            assert torch.equal(out, torch.zeros_like(out))
+            continue
         assert rel_err(out, want) < 1e-2, n
+
+
+@pytest.mark.cuda
+def test_attend_decode_dispatch_calls_the_kernel(monkeypatch):
+    g = torch.Generator().manual_seed(SEED + 7)
+    q, k, v = buffers(g, 1, 32, 8, 2048, 128, [2048], torch.bfloat16, "cuda")
+    length = torch.tensor([1500], device="cuda")
+    kernel = dispatch.kernel_for("attend_decode", q, k, v, length)
+    assert kernel is not None
+    calls = []
+    monkeypatch.setitem(dispatch._KERNELS, "attend_decode", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    out = attend_decode(q, k, v, length)
+    assert calls == [1] and out.is_cuda
+
+
+# --- sparse_decode_attention ---------------------------------------------------------------------------------
+def policy_math(q, dev_k, dev_v, host_k, host_v, pos, p, tail_start, sink):
+    """What engine/policies/sparse.py `_decode` computed after the selection (before this op existed): masks
+    of the device slots, gathers of the selected rows (unselected ones read row `sink` and are masked), cats,
+    and decode_attention with the validity mask."""
+    S, dev = sink, q.device
+    slots = torch.arange(dev_k.shape[2], device=dev)
+    valid = torch.where(slots < S, slots <= p, slots - S <= p - tail_start)
+    keys, vals = dev_k, dev_v
+    valid = valid.expand(*dev_k.shape[:2], -1)
+    if pos is not None:
+        picked = (pos >= S) & (pos < tail_start)
+        pos = torch.where(picked, pos, S)
+        keys = torch.cat([keys, gather_rows.reference(host_k, pos, dev)], 2)
+        vals = torch.cat([vals, gather_rows.reference(host_v, pos, dev)], 2)
+        valid = torch.cat([valid, picked], 2)
+    return decode_attention(q, keys, vals, valid[:, :, None, :])
+
+
+def sparse_inputs(g, B, Hq, Hkv, D, sink, cap, N, K, p, tail_start, dtype, device="cpu", pin=False, nan=True):
+    """A sparse layer's state at a decode step: the new token at position p; positions [sink, tail_start) in
+    the host store; device slots past what is held and host rows past p hold NaN (never to be read);
+    K selected positions per KV head, some of them outside the middle (masked)."""
+    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
+    dev_k = (torch.randn(B, Hkv, sink + cap, D, generator=g) * 2).to(dtype)
+    dev_v = torch.randn(B, Hkv, sink + cap, D, generator=g).to(dtype)
+    host_k = (torch.randn(B, Hkv, N, D, generator=g) * 2).to(dtype)
+    host_v = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
+    if nan:
+        tail = p - tail_start + 1
+        dev_k[:, :, min(sink, p + 1):sink] = float("nan")
+        dev_v[:, :, min(sink, p + 1):sink] = float("nan")
+        dev_k[:, :, sink + max(tail, 0):] = float("nan")
+        dev_v[:, :, sink + max(tail, 0):] = float("nan")
+        for t in (host_k, host_v):
+            t[:, :, :sink] = float("nan")
+            t[:, :, tail_start:] = float("nan")
+    pos = torch.randint(0, N, (B, Hkv, K), generator=g)
+    pos[..., ::7] = torch.randint(sink, max(sink + 1, tail_start), (B, Hkv, len(range(0, K, 7))), generator=g)
+    if pin:
+        host_k, host_v = host_k.pin_memory(), host_v.pin_memory()
+    dv = dict(device=device)
+    return (q.to(**dv), dev_k.to(**dv), dev_v.to(**dv), host_k, host_v, pos.to(**dv),
+            torch.tensor([p], **dv), torch.tensor(tail_start, **dv))
+
+
+SPARSE_REF_CASES = [  # (B, Hq, Hkv, D, sink, cap, N, K, p, tail_start)
+    (1, 8, 2, 16, 4, 12, 200, 20, 150, 143), (2, 9, 3, 8, 8, 10, 100, 33, 60, 55),
+    (1, 4, 4, 8, 4, 6, 50, 7, 2, 4), (1, 6, 2, 8, 16, 8, 64, 64, 40, 16), (1, 2, 1, 8, 4, 8, 300, 300, 299, 296),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,sink,cap,N,K,p,ts", SPARSE_REF_CASES)
+def test_sparse_decode_attention_reference_equals_the_policy_math(B, Hq, Hkv, D, sink, cap, N, K, p, ts):
+    g = torch.Generator().manual_seed(SEED + N + K)
+    args = sparse_inputs(g, B, Hq, Hkv, D, sink, cap, N, K, p, ts, torch.float32, nan=False)
+    q, dev_k, dev_v, host_k, host_v, pos, position, tail_start = args
+    got = sparse_decode_attention(*args, sink)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    want = policy_math(q, dev_k, dev_v, host_k, host_v, pos, position, tail_start, sink)
+    assert rel_err(got, want) < 1e-5
+    # positions relative to the middle, as topk_tokens returns them, with pos_offset = sink
+    assert rel_err(sparse_decode_attention(q, dev_k, dev_v, host_k, host_v, pos - sink, position, tail_start,
+                                           sink, pos_offset=sink), want) < 1e-5
+    # no host rows: the device slots alone
+    want_dev = policy_math(q, dev_k, dev_v, None, None, None, position, tail_start, sink)
+    assert rel_err(sparse_decode_attention(q, dev_k, dev_v, None, None, None, position, tail_start, sink),
+                   want_dev) < 1e-5
+    # bf16 inputs: the policy rounds scores and probabilities to bf16, the op keeps them in fp32
+    b16 = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in args]
+    assert rel_err(sparse_decode_attention(*b16, sink), want) < 2e-2
+
+
+def test_sparse_decode_attention_reference_never_reads_rows_that_are_not_held():
+    g = torch.Generator().manual_seed(SEED + 11)
+    args = sparse_inputs(g, 1, 8, 2, 16, 4, 12, 200, 40, 150, 143, torch.float32, nan=True)
+    got = sparse_decode_attention(*args, 4)
+    assert not torch.isnan(got).any()
+    q, dev_k, dev_v, host_k, host_v, pos, position, tail_start = args
+    clean = [torch.nan_to_num(t) if t.is_floating_point() else t for t in args]
+    assert torch.equal(got, sparse_decode_attention(*clean, 4))
+    # a NaN in a held row does show
+    dev_v[0, 0, 0, 0] = float("nan")
+    assert torch.isnan(sparse_decode_attention(*args, 4)[0, :4]).any()
+
+
+SPARSE_CASES = [  # (B, Hq, Hkv, D, sink, cap, N, K, p, tail_start, dtype)
+    (1, 32, 8, 128, 64, 192, 32768, 896, 30000, 29950, torch.bfloat16),
+    (1, 32, 8, 128, 64, 192, 8192, 896, 8190, 8064, torch.bfloat16),
+    (1, 32, 8, 128, 64, 192, 4096, 896, 600, 500, torch.bfloat16),    # a middle shorter than K
+    (2, 9, 3, 64, 8, 100, 3000, 100, 2500, 2450, torch.float16), (1, 16, 2, 128, 4, 16, 300, 64, 2, 4, torch.float16),
+    (1, 24, 3, 64, 16, 40, 1000, 0, 500, 480, torch.bfloat16),        # no host rows
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,Hq,Hkv,D,sink,cap,N,K,p,ts,dtype", SPARSE_CASES)
+def test_sparse_decode_attention_kernel_equals_reference(B, Hq, Hkv, D, sink, cap, N, K, p, ts, dtype):
+    g = torch.Generator().manual_seed(SEED + N + K + Hq)
+    args = list(sparse_inputs(g, B, Hq, Hkv, D, sink, cap, N, K, p, ts, dtype, "cuda", pin=True))
+    if K == 0:
+        args[5] = None
+    kernel = dispatch.kernel_for("sparse_decode_attention", *[a for a in args if a is not None])
+    assert kernel is not None, "the sparse_decode_attention kernel did not load (CuPy missing?)"
+    poison()
+    got = kernel(*args, sink)
+    assert got.shape == args[0].shape and got.dtype == dtype
+    want = sparse_decode_attention.reference(*args, sink)
+    assert rel_err(got, want) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+    poison()
+    assert torch.equal(kernel(*args, sink), got), "a second call (counters reset) gives the same bits"
+    if K:
+        rel = args[5] - sink
+        assert torch.equal(kernel(*args[:5], rel, *args[6:], sink, pos_offset=sink), got)
+
+
+@pytest.mark.cuda
+def test_sparse_decode_attention_dispatch_calls_the_kernel(monkeypatch):
+    g = torch.Generator().manual_seed(SEED + 13)
+    args = sparse_inputs(g, 1, 32, 8, 128, 64, 192, 4096, 896, 4000, 3900, torch.bfloat16, "cuda", pin=True)
+    kernel = dispatch.kernel_for("sparse_decode_attention", *args)
+    assert kernel is not None
+    calls = []
+    monkeypatch.setitem(dispatch._KERNELS, "sparse_decode_attention",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    sparse_decode_attention(*args, 64)
+    assert calls == [1]
+
+
+@pytest.mark.cuda
+def test_sparse_decode_attention_kernel_follows_device_scalars_in_a_graph():
+    g = torch.Generator().manual_seed(SEED + 17)
+    sink, cap, N, K = 64, 192, 8192, 896
+    q, dev_k, dev_v, host_k, host_v, pos, position, tail_start = sparse_inputs(
+        g, 1, 32, 8, 128, sink, cap, N, K, 5000, 4900, torch.bfloat16, "cuda", pin=True, nan=False)
+    sparse_decode_attention(q, dev_k, dev_v, host_k, host_v, pos, position, tail_start, sink)  # compile first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sparse_decode_attention(q, dev_k, dev_v, host_k, host_v, pos, position, tail_start, sink)
+    for p, ts in ((5000, 4900), (5001, 4900), (40, 64), (8000, 7990), (7000, 100)):
+        position.fill_(p)
+        tail_start.fill_(ts)
+        pos.random_(0, N)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = sparse_decode_attention.reference(q, dev_k, dev_v, host_k, host_v, pos, position, tail_start, sink)
+        assert rel_err(out, want) < 1e-2, (p, ts)
