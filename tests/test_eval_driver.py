@@ -1,8 +1,9 @@
 """`tailorkv eval` on CPU with a tiny random Llama and a byte-level tokenizer: the JSON schema and records, the
 prompt format, --budget-frac, shards that partition the work and merge into the single run, the PNGs, fidelity
 (full vs full is exact), one-line errors."""
-import math
+import dataclasses
 import json
+import math
 import os
 
 import click
@@ -10,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from tailorkv.engine.evaluation import driver as D
+from tailorkv.engine.evaluation import driver as D, plan as P, prompts, summary as S
 from tailorkv.engine.evaluation.fidelity import RecallProbe, compare_logits, fidelity_ids, run_fidelity
 from tailorkv.engine.evaluation.tasks import make_suite
 from tailorkv.engine.evaluation.command import register
@@ -59,44 +60,44 @@ def single(tiny_dir, tmp_path_factory):
 
 # ------------------------------------------------------------------------------------------------ pure parts
 def test_budget_frac():
-    assert D.budget_from_frac(0.03, 4096, 64, 64) == (123, 30, 31)  # 64+64 > 61: scaled into budget // 2
-    assert D.budget_from_frac(0.25, 4096, 64, 64) == (1024, 64, 64)  # fits: unchanged
-    assert D.budget_from_frac(0.03, 8192, 8, 56) == (246, 8, 56)
-    b, s, r = D.budget_from_frac(0.01, 2048, 64, 64)
+    assert P.budget_from_frac(0.03, 4096, 64, 64) == (123, 30, 31)  # 64+64 > 61: scaled into budget // 2
+    assert P.budget_from_frac(0.25, 4096, 64, 64) == (1024, 64, 64)  # fits: unchanged
+    assert P.budget_from_frac(0.03, 8192, 8, 56) == (246, 8, 56)
+    b, s, r = P.budget_from_frac(0.01, 2048, 64, 64)
     assert b == 20 and s + r <= b // 2
     base = MethodSettings(sink=64, recent=64, budget=999)
-    s = D.settings_for(base, "snapkv", 4096, 0.03)
+    s = P.settings_for(base, "snapkv", 4096, 0.03)
     assert (s.method, s.budget, s.sink, s.recent, s.snap_window) == ("snapkv", 123, 30, 31, 32)
-    assert D.settings_for(base, "snapkv", 2048, 0.03).snap_window == 30  # capped at budget // 2 = 30
-    assert D.settings_for(base, "tailorkv", 4096, None).budget == 999  # no fraction: the knobs as given
+    assert P.settings_for(base, "snapkv", 2048, 0.03).snap_window == 30  # capped at budget // 2 = 30
+    assert P.settings_for(base, "tailorkv", 4096, None).budget == 999  # no fraction: the knobs as given
     assert base.method == "full" and base.budget == 999  # not mutated
     with pytest.raises(ValueError):
-        D.budget_from_frac(0, 4096, 64, 64)
+        P.budget_from_frac(0, 4096, 64, 64)
 
 
 def test_parsers():
-    assert D.parse_lengths("2k, 4k,4096,0.5k") == [2048, 4096, 512]
-    assert D.parse_methods("full,tailorkv,full") == ["full", "tailorkv"]
-    assert D.parse_shard("2/5") == (2, 5) and D.parse_shard(None) is None
+    assert P.parse_lengths("2k, 4k,4096,0.5k") == [2048, 4096, 512]
+    assert P.parse_methods("full,tailorkv,full") == ["full", "tailorkv"]
+    assert P.parse_shard("2/5") == (2, 5) and P.parse_shard(None) is None
     for bad in ("abc", "4k,x", ""):
         with pytest.raises(ValueError, match="--lengths"):
-            D.parse_lengths(bad)
+            P.parse_lengths(bad)
     for bad in ("5/5", "x", "-1/2", "1/0"):
         with pytest.raises(ValueError, match="--shard"):
-            D.parse_shard(bad)
+            P.parse_shard(bad)
     with pytest.raises(ValueError, match="unknown method 'magic'"):
-        D.parse_methods("full,magic")
+        P.parse_methods("full,magic")
     with pytest.raises(ValueError, match="unknown task"):
-        D.parse_tasks("passkey,nope")
+        P.parse_tasks("passkey,nope")
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 14])
 def test_shards_partition_the_plan(n):
-    plan = D.EvalPlan(lengths=[512, 640], methods=METHODS, tasks=["passkey", "variable_tracking"], samples=3,
+    plan = P.EvalPlan(lengths=[512, 640], methods=METHODS, tasks=["passkey", "variable_tracking"], samples=3,
                       fidelity_tokens=4)
     items = plan.items()
     assert len(items) == 2 * 3 * 2 * 3 + 2 * 3 and [it["index"] for it in items] == list(range(len(items)))
-    parts = [{it["index"] for it in D.shard_items(items, (i, n))} for i in range(n)]
+    parts = [{it["index"] for it in P.shard_items(items, (i, n))} for i in range(n)]
     assert sum(len(p) for p in parts) == len(items)           # disjoint ...
     assert set().union(*parts) == set(range(len(items)))      # ... and covering
     assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
@@ -105,25 +106,35 @@ def test_shards_partition_the_plan(n):
 def test_prompt_format(tiny):
     tok = tiny.tokenizer
     s = make_suite(tok, 400, 1, 0, tasks=["passkey"])[0]
-    text = D.render_prompt(tok, s)
     q = s.question.strip()
-    assert text.startswith("<user>" + q + "\n\n" + s.context)   # the question before the context ...
-    assert (s.context + s.question + "</user>") in text         # ... and after it
-    assert text.index(q) < text.index(s.context) < text.rindex(q)
+    text = prompts.render_prompt(tok, s)                          # RULER's placement by default ...
+    assert text.startswith("<user>" + s.context + s.question + "</user>")  # ... the question after the text
+    assert text.count(q) == 1
     assert text.endswith("<assistant>" + s.answer_prefix)       # the model continues the answer prefix
-    assert D.prompt_ids(tok, s) == tok.encode(text)             # no BOS for this tokenizer
+    assert prompts.prompt_ids(tok, s) == tok.encode(text)       # no BOS for this tokenizer
+    both = prompts.render_prompt(tok, s, "both")
+    assert both.startswith("<user>" + q + "\n\n" + s.context)    # the question before the context ...
+    assert (s.context + s.question + "</user>") in both          # ... and after it
+    assert both.index(q) < both.index(s.context) < both.rindex(q)
+    with pytest.raises(ValueError, match="--question"):
+        prompts.user_message(s, "before")
 
 
 def test_suites_fit_the_length(tiny):
-    plan = D.EvalPlan(lengths=[512, 640], methods=["full"], tasks=["passkey", "variable_tracking"], samples=2,
+    plan = P.EvalPlan(lengths=[512, 640], methods=["full"], tasks=["passkey", "variable_tracking"], samples=2,
                       max_new_tokens=4)
-    suites = D.build_suites(tiny.tokenizer, plan)
+    suites = prompts.build_suites(tiny.tokenizer, plan)
     for n, suite in suites.items():
         assert [s.task for s in suite] == ["passkey"] * 2 + ["variable_tracking"] * 2
         for s in suite:
-            total = len(D.prompt_ids(tiny.tokenizer, s)) + plan.max_new(s.task)
+            total = len(prompts.prompt_ids(tiny.tokenizer, s)) + plan.max_new(s.task)
             assert abs(total - n) <= 0.03 * n, (n, s.task, total)   # RULER: template + prompt + answer ~ n
-    assert D.suite_hash(suites) == D.suite_hash(D.build_suites(tiny.tokenizer, plan))  # deterministic
+    assert prompts.suite_hash(suites) == prompts.suite_hash(prompts.build_suites(tiny.tokenizer, plan))  # deterministic
+    assert prompts.suite_hash(suites, "both") != prompts.suite_hash(suites)  # the placement is part of it
+    both = dataclasses.replace(plan, question="both")
+    longer = {n: len(prompts.prompt_ids(tiny.tokenizer, s, "both")) for n, (s, *_) in
+              prompts.build_suites(tiny.tokenizer, both).items()}
+    assert all(abs(longer[n] + 4 - n) <= 0.03 * n for n in longer)  # fitted with the question stated twice
 
 
 # ------------------------------------------------------------------------------------------------ fidelity
@@ -205,12 +216,12 @@ def test_compare_logits():
 def test_eval_json_schema_and_records(single):
     out, output = single
     res = load(os.path.join(out, "eval.json"))
-    assert res["schema"] == 1 and res["kind"] == "tailorkv-eval" and res["command"].startswith("tailorkv")
+    assert res["schema"] == 2 and res["kind"] == "tailorkv-eval" and res["command"].startswith("tailorkv")
     assert {"date", "git_commit", "torch", "gpu", "device"} <= set(res["env"]) and res["env"]["git_commit"]
     assert res["model"]["n_layers"] == 3
     e = res["eval"]
     assert e["lengths"] == [512, 640] and e["methods"] == METHODS and e["tasks"] == TASKS.split(",")
-    assert e["samples_per_task"] == 1 and e["max_new_tokens"] == {"passkey": 4, "variable_tracking": 4}
+    assert e["question"] == "after" and e["samples_per_task"] == 1 and e["max_new_tokens"] == {"passkey": 4, "variable_tracking": 4}
     assert e["n_items"] == 2 * 3 * 2 + 2 * 3 and res["shard"] is None and res["complete"] is True
     assert set(res["settings"]) == {"512", "640"}
     for n in ("512", "640"):
@@ -271,8 +282,8 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
     r = invoke("eval-merge", out)
     assert r.exit_code == 0, r.output
     merged, ref = load(os.path.join(out, "eval.json")), load(os.path.join(single[0], "eval.json"))
-    assert D.strip_timing(merged["records"]) == D.strip_timing(ref["records"])
-    assert D.strip_timing(merged["fidelity"]) == D.strip_timing(ref["fidelity"])
+    assert S.strip_timing(merged["records"]) == S.strip_timing(ref["records"])
+    assert S.strip_timing(merged["fidelity"]) == S.strip_timing(ref["fidelity"])
     for key in ("summary", "settings", "eval", "suites_hash", "complete"):
         assert merged[key] == ref[key], key
     assert len(merged["merged_from"]) == 3 and merged["shard"] is None
@@ -298,8 +309,8 @@ def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
     assert "1 items done" in r.output
     res = load(path)
     assert res["complete"] is True
-    assert D.strip_timing(res["records"]) == D.strip_timing(whole["records"])
-    assert D.strip_timing(res["fidelity"]) == D.strip_timing(whole["fidelity"])
+    assert S.strip_timing(res["records"]) == S.strip_timing(whole["records"])
+    assert S.strip_timing(res["fidelity"]) == S.strip_timing(whole["fidelity"])
     assert res["records"][0]["wall_s"] == whole["records"][0]["wall_s"]  # kept, not run again
     # another run's file is refused in one line, and left as it was
     r = invoke(*args, "--resume", "--seed", "5")

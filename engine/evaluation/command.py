@@ -62,6 +62,8 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--budget-frac", type=float, default=None,
                   help="budget = round(F x length) per length (e.g. 0.03); sink + recent shrink to fit half")
     @click.option("--max-new-tokens", type=int, default=None, help="greedy tokens per answer (default: per task)")
+    @click.option("--question", type=click.Choice(["after", "both"]), default="after", show_default=True,
+                  help="where the question goes: after the long text (RULER) or before and after it")
     @click.option("--fidelity-tokens", type=int, default=0, show_default=True,
                   help="also compare each method with full over N teacher-forced tokens of essay text (0: off)")
     @click.option("--out", type=click.Path(file_okay=False), default=None,
@@ -71,11 +73,11 @@ def register(main: click.Group) -> list[click.Command]:
                                                   "the rest (same command otherwise)")
     @ui.friendly
     def eval_cmd(model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
-                 budget_frac, max_new_tokens, fidelity_tokens, out, shard, resume, **knobs):
+                 budget_frac, max_new_tokens, question, fidelity_tokens, out, shard, resume, **knobs):
         """Long-context accuracy of every method against the full cache (eval.json + tables + PNG)."""
         run_eval(click.get_current_context().params, model, weights, random_weights, device, dtype, methods,
                  lengths, samples, tasks, seed, budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs,
-                 resume)
+                 resume, question)
 
     # --methods replaces method_options' single --method; its other knobs (--budget, --bits, ...) stay
     eval_cmd.params = [p for p in eval_cmd.params if p.name != "method"]
@@ -92,22 +94,23 @@ def register(main: click.Group) -> list[click.Command]:
 
 
 def run_eval(params, model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
-             budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs, resume=False):
+             budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs, resume=False, question="after"):
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
     from tailorkv.engine import results as R, ui
     from tailorkv.engine.bench.driver import model_info
-    from tailorkv.engine.evaluation import driver as D
+    from tailorkv.engine.evaluation import driver as D, merge as M, plan as P, prompts, summary as S
     from tailorkv.engine.evaluation.report import write_outputs
     from tailorkv.engine.methods import layer_policies
 
-    plan = D.EvalPlan(lengths=D.parse_lengths(lengths), methods=D.parse_methods(methods), tasks=D.parse_tasks(tasks),
+    plan = P.EvalPlan(lengths=P.parse_lengths(lengths), methods=P.parse_methods(methods), tasks=P.parse_tasks(tasks),
                       samples=samples, seed=seed, base=ui.settings_from(method="full", **knobs),
-                      budget_frac=budget_frac, max_new_tokens=max_new_tokens, fidelity_tokens=fidelity_tokens)
+                      budget_frac=budget_frac, max_new_tokens=max_new_tokens, fidelity_tokens=fidelity_tokens,
+                      question=question)
     plan.validate()
-    shard_t = D.parse_shard(shard)
+    shard_t = P.parse_shard(shard)
     if shard_t is not None and not out:
         raise ui.UserError("--shard needs --out DIR: every shard of a run writes into the same folder")
     if resume and not out:
@@ -121,24 +124,25 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
                             f"({loaded.cfg.max_context} tokens): lower --lengths")
     D.check_methods(loaded, plan)
 
-    items = D.shard_items(plan.items(), shard_t)
+    items = P.shard_items(plan.items(), shard_t)
     out = out or default_out_dir(loaded.name if not os.path.exists(model) else model)
-    name = "eval.json" if shard_t is None else D.shard_filename(*shard_t)
+    name = "eval.json" if shard_t is None else P.shard_filename(*shard_t)
     json_path = os.path.join(out, name)
     con = _console()
     with con.status("generating the samples"):  # every length, even in a shard: the hash checks the merge
-        suites = D.build_suites(loaded.tokenizer, plan)
+        suites = prompts.build_suites(loaded.tokenizer, plan)
     policies = {m: layer_policies(plan.settings(m, plan.lengths[0]), loaded.cfg.n_layers, loaded.family)
                 for m in plan.methods}
     common = dict(command=R.command_line(), args=dict(params), env=R.environment(dev), model=model_info(loaded),
-                  plan=plan, shard=shard_t, suites_hash=D.suite_hash(suites), layer_policies=policies)
+                  plan=plan, shard=shard_t, suites_hash=prompts.suite_hash(suites, plan.question),
+                  layer_policies=policies)
     records: list[dict] = []
     if resume and os.path.exists(json_path):
         try:
-            prev = D.read_json(json_path)
+            prev = M.read_json(json_path)
         except ValueError as e:
             raise ui.UserError(f"{json_path} is not valid JSON ({e}): rerun without --resume") from None
-        records = D.resumable_records(prev, D.results(records=[], **common), json_path)
+        records = M.resumable_records(prev, S.results(records=[], **common), json_path)
         done = {r["index"] for r in records}
         items = [it for it in items if it["index"] not in done]
         con.print(f"resuming {json_path}: {len(done)} items done, {len(items)} to go")
@@ -146,7 +150,7 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
 
     def save(force: bool = False):  # partial results survive an interrupt; at most every SAVE_EVERY_S seconds
         if force or time.monotonic() - last_save[0] >= SAVE_EVERY_S:
-            R.write_json(json_path, D.results(records=records, **common))
+            R.write_json(json_path, S.results(records=records, **common))
             last_save[0] = time.monotonic()
 
     texts: dict = {}
@@ -158,7 +162,7 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
         save(force=True)
         raise ui.UserError(f"interrupted: {len(records)} items saved in {json_path}; run the same command "
                             f"with --resume to finish") from None
-    res = D.results(records=records, **common)
+    res = S.results(records=records, **common)
     if shard_t is None:
         paths = write_outputs(res, out)
     else:
@@ -167,7 +171,7 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     show(res, con)
     for r in records:
         if r["status"] != "ok":
-            ui.err.print(f"[red]{D.length_label(r['length'])} {r['method']} {r.get('task', 'fidelity')}: "
+            ui.err.print(f"[red]{P.length_label(r['length'])} {r['method']} {r.get('task', 'fidelity')}: "
                           f"{r['status'].upper()}[/] {escape(r['error'] or '')}")
     ok = sum(r["status"] == "ok" for r in records)
     con.print(f"{ok}/{len(records)} items ok; results in {', '.join(paths)}"
@@ -177,10 +181,11 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
 def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
     """Runs the items in order under the progress bar, appending each record and saving as it goes."""
     from tailorkv.engine.evaluation import driver as D
+    from tailorkv.engine.evaluation.plan import length_label
     with bar:
         task = bar.add_task("eval", total=len(items))
         for it in items:
-            what = (f"{D.length_label(it['length'])} {it['method']} "
+            what = (f"{length_label(it['length'])} {it['method']} "
                     + (f"{it['task']} #{it['sample']}" if it["kind"] == "task" else "fidelity"))
             bar.update(task, description=what)
             rec = D.run_item(loaded, plan, it, suites, texts,
@@ -192,7 +197,7 @@ def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
 
 def run_merge(folder: str, out: str | None) -> None:
     from tailorkv.engine import ui
-    from tailorkv.engine.evaluation import driver as D
+    from tailorkv.engine.evaluation import merge as M
     from tailorkv.engine.evaluation.report import write_outputs
 
     if not os.path.isdir(folder):
@@ -204,10 +209,10 @@ def run_merge(folder: str, out: str | None) -> None:
     shards = []
     for f in files:
         try:
-            shards.append((os.path.basename(f), D.read_json(f)))
+            shards.append((os.path.basename(f), M.read_json(f)))
         except ValueError as e:
             raise ui.UserError(f"{f} is not valid JSON ({e}): rerun that shard") from None
-    res, warnings = D.merge_shards(shards)
+    res, warnings = M.merge_shards(shards)
     for w in warnings:
         ui.err.print(f"[yellow]{escape(w)}[/]")
     paths = write_outputs(res, out or folder)

@@ -13,7 +13,7 @@ import os
 
 from rich.table import Table
 
-from tailorkv.engine.evaluation.driver import length_label
+from tailorkv.engine.evaluation.plan import length_label
 
 
 def _fmt(x, digits: int = 1, pct: bool = False) -> str:
