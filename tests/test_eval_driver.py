@@ -27,7 +27,9 @@ TASKS = "passkey,variable_tracking"
 METHODS = ["full", "tailorkv", "streamingllm"]
 COMMON = ["--device", "cpu", "--dtype", "fp32", "--lengths", LENGTHS, "--samples", "1", "--tasks", TASKS,
           "--max-new-tokens", "4", "--budget", "64", "--sink", "8", "--recent", "16", "--channels", "4",
-          "--quant-layers", "0", "--fidelity-tokens", "4", "--methods", ",".join(METHODS)]
+          "--quant-layers", "0", "--fidelity-tokens", "4", "--methods", ",".join(METHODS), "--budgets", "64,12%"]
+GROUPS = ["64", "12%"]
+RUNS = [(None, "full")] + [(b, m) for b in GROUPS for m in METHODS[1:]]  # each sample's runs, in order
 
 
 
@@ -59,22 +61,6 @@ def single(tiny_dir, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
-def test_budget_frac():
-    assert P.budget_from_frac(0.03, 4096, 64, 64) == (123, 30, 31)  # 64+64 > 61: scaled into budget // 2
-    assert P.budget_from_frac(0.25, 4096, 64, 64) == (1024, 64, 64)  # fits: unchanged
-    assert P.budget_from_frac(0.03, 8192, 8, 56) == (246, 8, 56)
-    b, s, r = P.budget_from_frac(0.01, 2048, 64, 64)
-    assert b == 20 and s + r <= b // 2
-    base = MethodSettings(sink=64, recent=64, budget=999)
-    s = P.settings_for(base, "snapkv", 4096, 0.03)
-    assert (s.method, s.budget, s.sink, s.recent, s.snap_window) == ("snapkv", 123, 30, 31, 32)
-    assert P.settings_for(base, "snapkv", 2048, 0.03).snap_window == 30  # capped at budget // 2 = 30
-    assert P.settings_for(base, "tailorkv", 4096, None).budget == 999  # no fraction: the knobs as given
-    assert base.method == "full" and base.budget == 999  # not mutated
-    with pytest.raises(ValueError):
-        P.budget_from_frac(0, 4096, 64, 64)
-
-
 def test_parsers():
     assert P.parse_lengths("2k, 4k,4096,0.5k") == [2048, 4096, 512]
     assert P.parse_methods("full,tailorkv,full") == ["full", "tailorkv"]
@@ -89,18 +75,6 @@ def test_parsers():
         P.parse_methods("full,magic")
     with pytest.raises(ValueError, match="unknown task"):
         P.parse_tasks("passkey,nope")
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 14])
-def test_shards_partition_the_plan(n):
-    plan = P.EvalPlan(lengths=[512, 640], methods=METHODS, tasks=["passkey", "variable_tracking"], samples=3,
-                      fidelity_tokens=4)
-    items = plan.items()
-    assert len(items) == 2 * 3 * 2 * 3 + 2 * 3 and [it["index"] for it in items] == list(range(len(items)))
-    parts = [{it["index"] for it in P.shard_items(items, (i, n))} for i in range(n)]
-    assert sum(len(p) for p in parts) == len(items)           # disjoint ...
-    assert set().union(*parts) == set(range(len(items)))      # ... and covering
-    assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
 
 
 def test_prompt_format(tiny):
@@ -221,54 +195,64 @@ def test_eval_json_schema_and_records(single):
     assert res["model"]["n_layers"] == 3
     e = res["eval"]
     assert e["lengths"] == [512, 640] and e["methods"] == METHODS and e["tasks"] == TASKS.split(",")
-    assert e["question"] == "after" and e["samples_per_task"] == 1 and e["max_new_tokens"] == {"passkey": 4, "variable_tracking": 4}
-    assert e["n_items"] == 2 * 3 * 2 + 2 * 3 and res["shard"] is None and res["complete"] is True
-    assert set(res["settings"]) == {"512", "640"}
-    for n in ("512", "640"):
-        assert set(res["settings"][n]) == set(METHODS)
-        for m, s in res["settings"][n].items():
+    assert e["question"] == "after" and e["samples_per_task"] == 1
+    assert e["max_new_tokens"] == {"passkey": 4, "variable_tracking": 4}
+    assert [g["label"] for g in e["budgets"]] == GROUPS and e["split"] == "shrink"
+    assert e["n_items"] == 2 * 2 + 2 * len(RUNS) and e["n_records"] == 2 * 2 * len(RUNS) + 2 * len(RUNS)
+    assert res["shard"] is None and res["complete"] is True
+    assert set(res["settings"]) == set(GROUPS)
+    for n, share in (("512", 61), ("640", 77)):  # 12% of the length; 8 + 16 fit in half of it
+        for m, s in res["settings"]["64"][n].items():
             assert s["method"] == m and (s["budget"], s["sink"], s["recent"], s["channels"]) == (64, 8, 16, 4)
-    assert res["layer_policies"] == {"full": ["full"] * 3, "tailorkv": ["quant", "sparse", "sparse"],
-                                     "streamingllm": ["streamingllm"] * 3}
+        assert [(s["budget"], s["sink"], s["recent"]) for s in res["settings"]["12%"][n].values()] == \
+            [(share, 8, 16)] * 3
+    policies = {"full": ["full"] * 3, "tailorkv": ["quant", "sparse", "sparse"], "streamingllm": ["streamingllm"] * 3}
+    assert res["layer_policies"] == {g: policies for g in GROUPS}
     recs = res["records"]
-    assert len(recs) == 12 and [r["index"] for r in recs] == list(range(12))
-    keys = {"index", "kind", "length", "method", "task", "sample", "prompt_hash", "n_tokens", "prompt_tokens",
-            "answers", "prediction", "score", "new_tokens", "stop", "loaded_frac", "attended_frac", "status",
-            "max_new_tokens", "prefill_s", "decode_s"}
+    assert len(recs) == 2 * 2 * len(RUNS) and [r["index"] for r in recs] == list(range(len(recs)))
+    assert [(r["budget"], r["method"]) for r in recs[:len(RUNS)]] == RUNS
+    keys = {"index", "item", "kind", "length", "budget", "method", "task", "sample", "prompt_hash", "n_tokens",
+            "prompt_tokens", "answers", "prediction", "score", "new_tokens", "stop", "loaded_frac", "attended_frac",
+            "status", "max_new_tokens", "prefill_s", "decode_s"}
     hashes = {}
     for r in recs:
         assert keys <= set(r), keys - set(r)
         assert r["status"] == "ok" and r["kind"] == "task" and isinstance(r["prediction"], str)
         assert 0 <= r["score"] <= 100 and r["answers"] and 1 <= r["new_tokens"] <= 4
         assert r["prompt_tokens"] + 4 <= r["length"] * 1.03
-        hashes.setdefault((r["length"], r["task"], r["sample"]), set()).add(r["prompt_hash"])
+        hashes.setdefault(r["item"], set()).add(r["prompt_hash"])
         if r["method"] == "full":
-            assert r["loaded_frac"] is None and r["attended_frac"] is None
-        elif r["method"] == "tailorkv":  # top-K = 64 - 8 - 16 = 40 of ~500 tokens per sparse layer
+            assert r["loaded_frac"] is None and r["attended_frac"] is None and r["budget"] is None
+        elif r["method"] == "tailorkv":  # top-K = 64 - 8 - 16 = 40 (or 37, 53 at 12%) of ~500 tokens
             assert 0 < r["loaded_frac"] < 0.12 and r["loaded_frac"] < r["attended_frac"] < 0.2
         else:
-            assert r["loaded_frac"] is None and 0 < r["attended_frac"] <= 64 / 400
-    assert len(hashes) == 2 * 2 and all(len(h) == 1 for h in hashes.values())  # same samples for all methods
+            assert r["loaded_frac"] is None and 0 < r["attended_frac"] <= 77 / 400
+    assert len(hashes) == 2 * 2 and all(len(h) == 1 for h in hashes.values())  # same sample for all runs
     fid = res["fidelity"]
-    assert [(f["length"], f["method"]) for f in fid] == [(n, m) for n in (512, 640) for m in METHODS]
+    assert [(f["length"], f["budget"], f["method"]) for f in fid] == [(n, b, m) for n in (512, 640) for b, m in RUNS]
     for f in fid:
         assert f["status"] == "ok" and f["steps"] == 4 and 0 <= f["top1_agreement"] <= 100 and f["kl_mean"] >= 0
         if f["method"] == "full":
             assert f["top1_agreement"] == 100.0 and f["kl_mean"] == 0.0
         if f["method"] == "tailorkv":
             assert 0 < f["attn_recall"] <= 1
-    summ = res["summary"]
-    for n in ("512", "640"):
-        for m in METHODS:
-            cell = summ["per_length"][n][m]
-            assert cell["n"] == 2 and cell["failed"] == 0
-            scores = [r["score"] for r in recs if str(r["length"]) == n and r["method"] == m]
-            assert cell["tasks"] == dict(zip(TASKS.split(","), scores))
-            assert cell["average"] == pytest.approx(sum(scores) / 2)
-    assert set(summ["overall"]) == set(METHODS)
-    check_png(os.path.join(out, "eval_scores.png"))
-    check_png(os.path.join(out, "eval_fidelity.png"))
-    assert "Average" in output and "fidelity vs full" in output and "items ok" in output
+    summ = res["summary"]["budgets"]
+    assert set(summ) == set(GROUPS)
+    for g in GROUPS:
+        for n in ("512", "640"):
+            for m in METHODS:
+                cell = summ[g]["per_length"][n][m]
+                assert cell["n"] == 2 and cell["failed"] == 0
+                scores = [r["score"] for r in recs if str(r["length"]) == n and r["method"] == m
+                          and r["budget"] == (None if m == "full" else g)]
+                assert cell["tasks"] == dict(zip(TASKS.split(","), scores))
+                assert cell["average"] == pytest.approx(sum(scores) / 2) and cell["average_se"] is None  # 1/task
+        assert set(summ[g]["overall"]) == set(METHODS) and summ[g]["overall"]["full"]["diff"] == 0.0
+    assert summ["64"]["per_length"]["512"]["full"] == summ["12%"]["per_length"]["512"]["full"]
+    for name in ("eval_scores-64.png", "eval_scores-12pct.png", "eval_budgets.png", "eval_fidelity.png"):
+        check_png(os.path.join(out, name))
+    assert "Average" in output and "fidelity vs full" in output and "records ok" in output
+    assert "every budget" in output
 
 
 def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
@@ -278,7 +262,7 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
         assert r.exit_code == 0, r.output
         part = load(os.path.join(out, f"eval.shard-{i}-of-3.json"))
         assert part["shard"] == {"index": i, "count": 3} and part["complete"] is True
-        assert all(x["index"] % 3 == i for x in part["records"] + part["fidelity"])
+        assert all(x["item"] % 3 == i for x in part["records"] + part["fidelity"])
     r = invoke("eval-merge", out)
     assert r.exit_code == 0, r.output
     merged, ref = load(os.path.join(out, "eval.json")), load(os.path.join(single[0], "eval.json"))
@@ -287,7 +271,7 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
     for key in ("summary", "settings", "eval", "suites_hash", "complete"):
         assert merged[key] == ref[key], key
     assert len(merged["merged_from"]) == 3 and merged["shard"] is None
-    check_png(os.path.join(out, "eval_scores.png"))
+    check_png(os.path.join(out, "eval_budgets.png"))
     # a missing shard is a one-line error
     os.remove(os.path.join(out, "eval.shard-1-of-3.json"))
     r = invoke("eval-merge", out)
@@ -300,8 +284,11 @@ def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
     assert invoke(*args).exit_code == 0
     path = os.path.join(out, "eval.shard-0-of-2.json")
     whole = load(path)
-    cut = dict(whole, records=whole["records"][:2], fidelity=[], complete=False)  # as an interrupt leaves it
-    cut["records"][1] = dict(cut["records"][1], status="error", score=None)       # a failed item is redone
+    first, second = sorted({r["item"] for r in whole["records"]})[:2]
+    kept = [r for r in whole["records"] if r["item"] == first]
+    redo = [r for r in whole["records"] if r["item"] == second][:2]
+    redo[1] = dict(redo[1], status="error", score=None)                         # a failed item is redone whole
+    cut = dict(whole, records=kept + redo, fidelity=[], complete=False)         # as an interrupt leaves it
     with open(path, "w") as f:
         json.dump(cut, f)
     r = invoke(*args, "--resume")
@@ -333,7 +320,7 @@ def test_ctrl_c_saves_the_finished_items(tiny_dir, tmp_path, monkeypatch):
     r = invoke(*args)
     assert r.exit_code == 1 and "interrupted: 2 items saved" in r.output and "--resume" in r.output
     saved = load(os.path.join(out, "eval.json"))
-    assert saved["complete"] is False and [x["index"] for x in saved["records"]] == [0, 1]
+    assert saved["complete"] is False and [x["item"] for x in saved["records"]] == [0] * len(RUNS) + [1] * len(RUNS)
     monkeypatch.setattr(D, "run_item", real)
     r = invoke(*args, "--resume")
     assert r.exit_code == 0, r.output
@@ -347,12 +334,14 @@ def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
     assert r.exit_code == 0, r.output
     res = load(os.path.join(out, "eval.json"))
     assert res["records"] == [] and len(res["fidelity"]) == 4 and res["complete"] is True
-    s = res["settings"]
+    s = res["settings"]["20%"]
     assert (s["256"]["snapkv"]["budget"], s["256"]["snapkv"]["sink"], s["256"]["snapkv"]["recent"]) == (51, 12, 13)
     assert s["256"]["snapkv"]["snap_window"] == 25 and s["320"]["quest"]["budget"] == 64
-    assert res["eval"]["budget_frac"] == 0.2
+    assert res["eval"]["budgets"] == [{"label": "20%", "kind": "frac", "frac": 0.2, "tokens": None}]
+    assert {f["budget"] for f in res["fidelity"]} == {"20%"}
     check_png(os.path.join(out, "eval_fidelity.png"))
     assert not os.path.exists(os.path.join(out, "eval_scores.png"))
+    assert not os.path.exists(os.path.join(out, "eval_budgets.png"))
     assert "fidelity vs full" in r.output
 
 
@@ -366,6 +355,11 @@ def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
     (["--tasks", "nope"], "unknown task 'nope'"),
     (["--methods", "tailorkv", "--quant-layers", "7"], "out of range"),
     (["--methods", "snapkv", "--budget", "30", "--sink", "4", "--recent", "4"], "observation window"),
+    (["--budgets", "3%,abc"], "--budgets 'abc' is not a budget"),
+    (["--budgets", "150%"], "must be in (0, 100%]"),
+    (["--budgets", "3%", "--budget-frac", "0.03"], "--budgets and --budget-frac both given"),
+    (["--budget-frac", "2"], "--budget-frac must be in (0, 1]"),
+    (["--methods", "quest", "--budgets", "8"], "quest at length 512 budget 8"),
 ])
 def test_errors_are_one_line(tiny_dir, args, message, tmp_path):
     base = ["eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "512", "--samples", "1",

@@ -94,36 +94,15 @@ def _failure(e: BaseException) -> dict:
     return out
 
 
-def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]], texts: dict | None = None,
-             on_phase: Callable[[str], None] | None = None) -> dict:
-    """One work item -> its record. Never raises for a failing method: status 'ok', 'oom' or 'error'."""
+def _run_one(rec: dict, work: Callable[[], dict], device) -> dict:
+    """rec updated with work()'s fields, or with the failure; timed. Never raises for a failing method."""
     from tailorkv.engine.bench.driver import free_device
-    device = loaded.model.output_weight.device
-    n, m = item["length"], item["method"]
-    settings = plan.settings(m, n)
-    rec: dict = {"index": item["index"], "kind": item["kind"], "length": n, "method": m}
-    if item["kind"] == "task":
-        sample = suites[n][item["suite_index"]]
-        rec.update(task=sample.task, sample=item["sample"], prompt_hash=sample.prompt_hash,
-                   n_tokens=sample.n_tokens, target_tokens=sample.target_tokens, depth=sample.depth,
-                   answers=list(sample.answers), metric=sample.metric, max_new_tokens=plan.max_new(sample.task))
-    else:
-        rec.update(tokens=plan.fidelity_tokens)
     rec.update(status="ok", error=None)
     t0 = time.perf_counter()
     try:
-        if item["kind"] == "task":
-            rec.update(run_sample(loaded, settings, sample, plan.max_new(sample.task), plan.question))
-        else:
-            from tailorkv.engine.evaluation.fidelity import fidelity_ids, run_fidelity
-            ids = texts.get(n) if texts is not None else None
-            if ids is None:
-                ids = fidelity_ids(loaded.tokenizer, n)
-                if texts is not None:
-                    texts[n] = ids
-            rec.update(run_fidelity(loaded, settings, ids, plan.fidelity_tokens, on_phase=on_phase))
-    except Exception as e:  # one failing item must not stop the run
-        if item["kind"] == "task":
+        rec.update(work())
+    except Exception as e:  # one failing method must not stop the run
+        if rec["kind"] == "task":
             rec.update(score=None, prediction=None)
         rec.update(_failure(e))
     rec["wall_s"] = time.perf_counter() - t0
@@ -132,17 +111,54 @@ def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]]
     return rec
 
 
+def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]], texts: dict | None = None,
+             on_phase: Callable[[str], None] | None = None) -> list[dict]:
+    """One work item -> its records (plan.runs() order for a task item; one for a fidelity item); each with
+    status 'ok', 'oom' or 'error'."""
+    device = loaded.model.output_weight.device
+    say = on_phase or (lambda s: None)
+    n, index = item["length"], plan.record_index()
+    if item["kind"] == "fidelity":
+        from tailorkv.engine.evaluation.fidelity import fidelity_ids, run_fidelity
+        b, m = item["budget"], item["method"]
+        rec = {"index": index[(item["index"], b, m)], "item": item["index"], "kind": "fidelity", "length": n,
+               "budget": b, "method": m, "tokens": plan.fidelity_tokens}
+
+        def fidelity() -> dict:
+            ids = texts.get(n) if texts is not None else None
+            if ids is None:
+                ids = fidelity_ids(loaded.tokenizer, n)
+                if texts is not None:
+                    texts[n] = ids
+            return run_fidelity(loaded, plan.settings(m, n, b), ids, plan.fidelity_tokens, on_phase=on_phase)
+        return [_run_one(rec, fidelity, device)]
+    sample = suites[n][item["suite_index"]]
+    max_new = plan.max_new(sample.task)
+    out = []
+    for b, m in plan.runs():
+        rec = {"index": index[(item["index"], b, m)], "item": item["index"], "kind": "task", "length": n,
+               "budget": b, "method": m, "task": sample.task, "sample": item["sample"],
+               "prompt_hash": sample.prompt_hash, "n_tokens": sample.n_tokens, "target_tokens": sample.target_tokens,
+               "depth": sample.depth, "answers": list(sample.answers), "metric": sample.metric,
+               "max_new_tokens": max_new}
+        say(m if b is None else f"{m} @ {b}")
+        settings = plan.settings(m, n, b)
+        out.append(_run_one(rec, lambda: run_sample(loaded, settings, sample, max_new, plan.question), device))
+    return out
+
+
 def check_methods(loaded, plan: EvalPlan) -> None:
-    """Build a tiny cache for every (method, length) setting so configuration errors (no layer profile, a
-    budget a policy refuses) surface once, as one clear message, before any work."""
+    """Build a tiny cache for every (budget, method, length) setting so configuration errors (no layer profile,
+    a budget a policy refuses) surface once, as one clear message, before any work."""
     from tailorkv.engine.methods import build_cache
     for n in plan.lengths:
-        for m in plan.methods:
-            s = plan.settings(m, n)
+        for b, m in plan.runs():
+            s = plan.settings(m, n, b)
             try:
                 build_cache(loaded, s, 64)
             except ValueError as e:
-                raise ValueError(f"{m} at length {length_label(n)} (budget {s.budget}, sink {s.sink}, "
-                                 f"recent {s.recent}): {e}") from None
+                where = "" if b is None else f" budget {b}"
+                raise ValueError(f"{m} at length {length_label(n)}{where} ({s.budget} tokens = sink {s.sink} + "
+                                 f"top-K {s.topk} + recent {s.recent}): {e}") from None
     if plan.samples and loaded.tokenizer is None:
         raise ValueError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")

@@ -38,27 +38,29 @@ def merge_shards(shards: list[tuple[str, dict]]) -> tuple[dict, list[str]]:
     for name, res in shards:
         for r in res["records"] + res["fidelity"]:
             if r["index"] in seen:
-                raise ValueError(f"item {r['index']} appears in {seen[r['index']]} and {name}")
+                raise ValueError(f"record {r['index']} (item {r['item']}) appears in {seen[r['index']]} and {name}")
             seen[r["index"]] = name
             records.append(r)
-    want = {it["index"] for it in plan.items()}
-    left = sorted(want - set(seen))
+    keys = plan.record_keys()
+    left = sorted(set(range(len(keys))) - set(seen))
     if left:
-        raise ValueError(f"{len(left)} items have no record (first: index {left[0]}): a shard did not finish; "
-                         f"rerun it")
+        raise ValueError(f"{len(left)} records have no result (first: item {keys[left[0]][0]}): a shard did not "
+                         f"finish; rerun it")
     commits = {res["env"].get("git_commit") for _, res in shards}
     if len(commits) > 1:
         warnings.append(f"the shards ran at different commits: {sorted(map(str, commits))}")
     merged = results(command=first["command"], args=first["args"], env=first["env"], model=first["model"],
                      plan=plan, shard=None, records=records, suites_hash=first.get("suites_hash"),
-                     layer_policies=first.get("layer_policies"), merged_from=[{"file": name, "command": res["command"], "date": res["env"].get("date"),
+                     layer_policies=first.get("layer_policies"),
+                     merged_from=[{"file": name, "command": res["command"], "date": res["env"].get("date"),
                                    "git_commit": res["env"].get("git_commit")} for name, res in shards])
     return merged, warnings
 
 
-def resumable_records(prev: dict, fresh: dict, name: str) -> list[dict]:
-    """The finished ('ok') records of an earlier results file `prev` of the same run as `fresh` (an empty
-    results dict of the run about to start). ValueError when `prev` belongs to another run."""
+def resumable_records(prev: dict, fresh: dict, name: str, plan: EvalPlan) -> list[dict]:
+    """The records of the finished items of an earlier results file `prev` of the same run as `fresh` (an empty
+    results dict of the run about to start): items whose every record is there and 'ok' (an item with a
+    failed or missing record runs again whole). ValueError when `prev` belongs to another run."""
     fresh = json.loads(json.dumps(fresh, default=str))  # tuples -> lists, as read back from a file
     for key in SAME_KEYS + ("shard",):
         if prev.get(key) != fresh.get(key):
@@ -66,7 +68,14 @@ def resumable_records(prev: dict, fresh: dict, name: str) -> list[dict]:
                              f"wrote it, or another --out")
     if (prev.get("model") or {}).get("name") != (fresh.get("model") or {}).get("name"):
         raise ValueError(f"--resume: {name} ran another model: use another --out")
-    return [r for r in prev["records"] + prev["fidelity"] if r["status"] == "ok"]
+    want: dict = {}
+    for i, key in enumerate(plan.record_keys()):
+        want.setdefault(key[0], set()).add(i)
+    by_item: dict = {}
+    for r in prev["records"] + prev["fidelity"]:
+        by_item.setdefault(r["item"], []).append(r)
+    return [r for item, rs in by_item.items() if {r["index"] for r in rs} == want.get(item)
+            and all(r["status"] == "ok" for r in rs) for r in rs]
 
 
 def read_json(path: str) -> dict:

@@ -1,18 +1,16 @@
 """What one `tailorkv eval` run does: the parsed options, each method's settings, and the list of work items.
 
-The flattened item list (task items: lengths, then tasks, then samples; then fidelity items: lengths, then
-methods) is what `--shard i/n` splits: shard i runs the items whose index % n == i, so the shards of one plan
-partition it exactly and `eval-merge` puts the records back in index order.
+Work items, in plan order: task items (lengths, then tasks, then samples), each one sample run by every method
+in every budget group (runs(): the exact methods once, full first, then each budget's other methods), one record
+per run; then fidelity items (lengths, then runs()), one record each. `--shard i/n` runs the items whose index
+% n == i, so the shards of one plan partition it exactly; `eval-merge` puts the records back in plan order.
 
 Conventions (written down here because they change the numbers):
 - Question placement (--question): RULER's by default, ``after``: the user message is context + question;
   ``both`` states the question before the context too (this engine's first eval did).
 - Length: RULER's convention. --lengths L is the whole sequence: chat template + prompt + the task's max new
   tokens fit in L (prompts.build_suites).
-- Budget: every method gets the same knobs (budget, sink, recent, channels, bits, quant layers).
-  With --budget-frac F the budget at length L is round(F * L); if sink + recent exceed half of it they are scaled
-  down (proportionally, rounded down) to fit in budget // 2, so top-K keeps at least half; SnapKV's observation
-  window is capped at budget // 2 the same way. Quest still needs budget >= one page (16 tokens).
+- Budgets: budgets.py.
 """
 from __future__ import annotations
 
@@ -20,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tailorkv.engine import ui
+from tailorkv.engine.evaluation.budgets import (BUDGET_CONVENTION, EXACT_METHODS, KNOBS, SPLITS, Budget,
+                                               settings_for)
 from tailorkv.engine.evaluation.tasks import TASKS
 from tailorkv.engine.settings import METHODS, MethodSettings
 
@@ -101,31 +101,6 @@ def shard_filename(i: int, n: int) -> str:
     return f"eval.shard-{i}-of-{n}.json"
 
 
-# ------------------------------------------------------------------------------------------------ settings
-def budget_from_frac(frac: float, length: int, sink: int, recent: int) -> tuple[int, int, int]:
-    """(budget, sink, recent) at `length` for --budget-frac: budget = round(frac * length) (at least 2);
-    sink + recent scaled down (proportionally, rounded down) to fit in budget // 2 when they exceed it."""
-    if not 0 < frac <= 1:
-        raise ValueError(f"--budget-frac must be in (0, 1], got {frac}")
-    budget = max(2, round(frac * length))
-    half = budget // 2
-    if sink + recent > half:
-        total = sink + recent
-        sink = sink * half // total
-        recent = half - sink
-    return budget, sink, recent
-
-
-def settings_for(base: MethodSettings, method: str, length: int, budget_frac: float | None) -> MethodSettings:
-    """The settings of `method` at `length`: the shared knobs of `base`, with --budget-frac applied."""
-    s = dataclasses.replace(base, method=method, extra=dict(base.extra))
-    if budget_frac:
-        s.budget, s.sink, s.recent = budget_from_frac(budget_frac, length, base.sink, base.recent)
-        s.snap_window = max(1, min(base.snap_window, s.budget // 2))
-    s.validate()
-    return s
-
-
 # ------------------------------------------------------------------------------------------------ the plan
 @dataclass
 class EvalPlan:
@@ -135,10 +110,15 @@ class EvalPlan:
     samples: int                        # per task and length
     seed: int = 0
     base: MethodSettings = field(default_factory=MethodSettings)
-    budget_frac: float | None = None
+    budgets: list[Budget] | None = None  # None: one group, the knobs of `base` as given
     max_new_tokens: int | None = None   # overrides MAX_NEW_TOKENS for every task
     fidelity_tokens: int = 0            # 0: no fidelity items
     question: str = "after"             # QUESTION_PLACEMENTS
+    split: str = "shrink"               # SPLITS: sink / recent inside share and absolute budgets
+
+    def __post_init__(self):
+        if not self.budgets:
+            self.budgets = [Budget(str(self.base.budget))]
 
     def validate(self) -> None:
         if not self.lengths:
@@ -155,62 +135,94 @@ class EvalPlan:
             raise ValueError("nothing to do: --samples 0 and no --fidelity-tokens")
         if self.question not in QUESTION_PLACEMENTS:
             raise ValueError(f"--question {self.question}: use {' or '.join(QUESTION_PLACEMENTS)}")
+        if self.split not in SPLITS:
+            raise ValueError(f"--split {self.split}: use {' or '.join(SPLITS)}")
         for n in self.lengths:
             if self.fidelity_tokens and self.fidelity_tokens >= n:
                 raise ValueError(f"--fidelity-tokens {self.fidelity_tokens} must be smaller than the length {n}")
         for n in self.lengths:
-            for m in self.methods:
-                settings_for(self.base, m, n, self.budget_frac)
+            for b, m in self.runs():
+                self.settings(m, n, b)
 
     def max_new(self, task: str) -> int:
         return self.max_new_tokens or MAX_NEW_TOKENS.get(task, DEFAULT_MAX_NEW)
 
-    def settings(self, method: str, length: int) -> MethodSettings:
-        return settings_for(self.base, method, length, self.budget_frac)
+    def budget(self, label: str | None) -> Budget | None:
+        return None if label is None else next(b for b in self.budgets if b.label == label)
+
+    def settings(self, method: str, length: int, budget: str | None = KNOBS) -> MethodSettings:
+        """budget None (the exact methods' records): the first group's settings, which they ignore."""
+        group = self.budgets[0] if budget is None else self.budget(budget)
+        return settings_for(self.base, method, length, group, self.split)
+
+    def runs(self) -> list[tuple[str | None, str]]:
+        """(budget label, method) of every method run per sample: the exact methods once (budget None, full
+        first), then per budget group every other method."""
+        exact = sorted((m for m in self.methods if m in EXACT_METHODS), key=EXACT_METHODS.index)
+        return [(KNOBS, m) for m in exact] + [(b.label, m) for b in self.budgets for m in self.methods
+                                              if m not in EXACT_METHODS]
 
     def items(self) -> list[dict]:
-        """Every work item in plan order; item["index"] is its position."""
+        """Every work item in plan order; item["index"] is its position. A task item is one sample run by every
+        method in every budget group (runs()); a fidelity item is one (length, budget, method)."""
         out: list[dict] = []
         if self.samples:
             for n in self.lengths:
-                for m in self.methods:
-                    for ti, task in enumerate(self.tasks):
-                        for s in range(self.samples):
-                            out.append({"kind": "task", "length": n, "method": m, "task": task, "sample": s,
-                                        "suite_index": ti * self.samples + s})
+                for ti, task in enumerate(self.tasks):
+                    for s in range(self.samples):
+                        out.append({"kind": "task", "length": n, "task": task, "sample": s,
+                                    "suite_index": ti * self.samples + s})
         if self.fidelity_tokens:
             for n in self.lengths:
-                for m in self.methods:
-                    out.append({"kind": "fidelity", "length": n, "method": m})
+                for b, m in self.runs():
+                    out.append({"kind": "fidelity", "length": n, "budget": b, "method": m})
         for i, it in enumerate(out):
             it["index"] = i
         return out
 
+    def record_keys(self, items: list[dict] | None = None) -> list[tuple[int, str | None, str]]:
+        """(item index, budget, method) of every record the items (default: all) produce, in plan order."""
+        keys = []
+        for it in self.items() if items is None else items:
+            runs = self.runs() if it["kind"] == "task" else [(it["budget"], it["method"])]
+            keys += [(it["index"], b, m) for b, m in runs]
+        return keys
+
+    def record_index(self) -> dict:
+        """(item index, budget, method) -> the record's index in plan order."""
+        if getattr(self, "_index", None) is None:
+            self._index = {key: i for i, key in enumerate(self.record_keys())}
+        return self._index
+
     def to_dict(self) -> dict:
         return {"lengths": self.lengths, "methods": self.methods, "tasks": self.tasks,
-                "samples_per_task": self.samples, "seed": self.seed, "budget_frac": self.budget_frac,
+                "samples_per_task": self.samples, "seed": self.seed,
+                "budgets": [b.to_dict() for b in self.budgets], "split": self.split,
                 "max_new_tokens": {t: self.max_new(t) for t in self.tasks},
                 "max_new_tokens_override": self.max_new_tokens, "fidelity_tokens": self.fidelity_tokens,
                 "question": self.question,
-                "base_settings": self.base.to_dict(), "n_items": len(self.items()), "margin": MARGIN,
+                "base_settings": self.base.to_dict(), "n_items": len(self.items()),
+                "n_records": len(self.record_keys()), "margin": MARGIN,
                 "length_convention": "chat template + prompt + max new tokens fit in the length (RULER)",
                 "question_convention": {"after": "context, then the question (RULER)",
                                         "both": "the question, the context, the question again"}[self.question],
-                "budget_convention": ("same knobs for every method; --budget-frac F: budget = round(F * length), "
-                                      "sink + recent scaled to fit budget // 2, snapkv window <= budget // 2")}
+                "budget_convention": BUDGET_CONVENTION}
 
     def settings_dict(self) -> dict:
-        return {str(n): {m: self.settings(m, n).to_dict() for m in self.methods} for n in self.lengths}
+        """{budget label: {length: {method: settings}}} (exact methods ignore theirs)."""
+        return {b.label: {str(n): {m: self.settings(m, n, b.label).to_dict() for m in self.methods}
+                          for n in self.lengths} for b in self.budgets}
 
     @classmethod
     def from_dict(cls, e: dict) -> "EvalPlan":
         """The plan an eval.json's "eval" entry describes."""
         names = {f.name for f in dataclasses.fields(MethodSettings)}
         base = MethodSettings(**{k: v for k, v in e["base_settings"].items() if k in names})
+        budgets = [Budget(b["label"], b["frac"], b["tokens"]) for b in e["budgets"]]
         return cls(lengths=list(e["lengths"]), methods=list(e["methods"]), tasks=list(e["tasks"]),
-                   samples=e["samples_per_task"], seed=e["seed"], base=base, budget_frac=e["budget_frac"],
+                   samples=e["samples_per_task"], seed=e["seed"], base=base, budgets=budgets,
                    max_new_tokens=e["max_new_tokens_override"], fidelity_tokens=e["fidelity_tokens"],
-                   question=e.get("question", "both"))
+                   question=e["question"], split=e["split"])
 
 
 def shard_items(items: list[dict], shard: tuple[int, int] | None) -> list[dict]:
