@@ -20,6 +20,11 @@ class MethodSettings:
     page: int = 16           # quest page size
     snap_window: int = 32    # snapkv observation window (last prompt queries)
     snap_pool: int = 7       # snapkv pooling kernel
+    dense_layers: list[int] | None = None  # layers that use the `full` policy whatever the method
+    free_generated: bool = False  # True: the budget counts kept prompt tokens only; tokens generated after the
+    #                               prompt are attended on top by every policy (eval's plain/paper protocols).
+    #                               False: each policy's own rule (streamingllm's window and quest's pages
+    #                               hold them inside the budget; tailorkv's tail and snapkv keep them outside)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -35,6 +40,8 @@ class MethodSettings:
             raise ValueError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}")
         if self.channels < 1:
             raise ValueError("--channels must be at least 1")
+        if self.dense_layers is not None and any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
+            raise ValueError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -101,3 +101,27 @@ def test_plan_errors():
     with pytest.raises(ValueError, match="smaller than --sink 64 . --recent 64"):  # the knobs as given
         _plan(base=MethodSettings(budget=100, sink=64, recent=64)).validate()
     _plan(base=MethodSettings(budget=100, sink=64, recent=64), budgets=B.parse_budgets("100")).validate()  # shrunk
+
+
+def test_protocols():
+    base = MethodSettings(sink=64, recent=64, budget=999)
+    three = B.parse_budgets("3%")[0]
+
+    def run(method, protocol, split="shrink"):
+        return B.settings_for(base, method, 2048, three, split, protocol)
+    for m in ("tailorkv", "streamingllm", "snapkv", "quest"):  # plain: same tokens, generated ones on top
+        s = run(m, "plain")
+        assert (s.budget, s.dense_layers, s.free_generated) == (61, None, True)
+    assert run("snapkv", "plain", "paper").snap_window == 8     # <= sink + recent (4 + 4)
+    assert run("snapkv", "legacy", "paper").snap_window == 30   # the first eval's: <= budget // 2
+    assert [run(m, "paper").dense_layers for m in ("tailorkv", "streamingllm", "snapkv", "quest", "full")] == \
+        [None, [0], [0], [0, 1], None]
+    assert all(run(m, "paper").free_generated for m in ("streamingllm", "quest"))
+    legacy = run("quest", "legacy")
+    assert (legacy.dense_layers, legacy.free_generated) == (None, False)
+    with pytest.raises(ValueError, match="--protocol"):
+        run("quest", "fair")
+    plan = _plan(protocol="paper", budgets=[three])
+    assert plan.settings("quest", 512, "3%").dense_layers == [0, 1]
+    assert plan.to_dict()["protocol"] == "paper" and "layers 0 and 1" in plan.to_dict()["protocol_convention"]
+    assert P.EvalPlan.from_dict(plan.to_dict()).protocol == "paper"

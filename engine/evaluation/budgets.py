@@ -7,7 +7,22 @@ or the --budget/--sink/--recent knobs as given).
 - Sink and recent inside the other budgets (--split): ``shrink`` (this engine's first eval) keeps --sink and
   --recent, scaled down (proportionally, rounded down) to fit in budget // 2 when they exceed it, so top-K keeps
   at least half; ``paper`` gives each budget / 16 (the proportions of the paper's 1024 split), top-K the rest.
-- SnapKV's observation window is capped at budget // 2. Quest still needs budget >= one page (16 tokens).
+- Quest still needs budget >= one page (16 tokens).
+
+Protocols (--protocol), i.e. what each method's budget counts (PROTOCOL_CONVENTION says it in one line each):
+- ``plain`` (default): every method keeps the same number of prompt tokens per layer and step, the budget;
+  the tokens generated after the prompt are attended on top by every method (MethodSettings.free_generated;
+  answers here are at most 120 tokens). Every positional part is inside the budget: tailorkv's sink and recent,
+  StreamingLLM's sink and window, Quest's last page, SnapKV's observation window, which is at most
+  sink + recent (the share tailorkv keeps by position) and at most budget // 2. Baselines budget every layer;
+  tailorkv's quantization-friendly layers (layer 0 for SmolLM2) hold every token at 1-2 bits, as the method
+  prescribes.
+- ``paper``: plain, plus the TailorKV paper's protocol for baselines (its Table 8; Quest's own paper too):
+  layer 0 dense (the `full` policy) for StreamingLLM and SnapKV, layers 0 and 1 dense for Quest
+  (MethodSettings.dense_layers), so they get what tailorkv's quantized layer 0 gets.
+- ``legacy``: this engine's first eval (eval/results/2026-11-29-h200-smollm2-2k-4k-8k): each policy's own rule
+  for generated tokens (StreamingLLM's window and Quest's pages count them, tailorkv and SnapKV keep them
+  outside), SnapKV's window <= budget // 2, no dense layers.
 """
 from __future__ import annotations
 
@@ -22,8 +37,7 @@ PAPER_SPLITS = {192: (8, 56, 8), 1024: (64, 64, 12)}  # budget: (sink, recent, r
 EXACT_METHODS = ("full", "offload")  # budget-free: run once per sample, shown in every budget group
 BUDGET_CONVENTION = ("same knobs for every method; a share F: budget = round(F * length); a number: that many "
                      "tokens (192: sink 8 + top-K 128 + recent 56 with r = 8; 1024: 64 + 896 + 64 with r = 12); "
-                     "--split shrink: --sink + --recent scaled to fit budget // 2, paper: budget / 16 each; "
-                     "snapkv window <= budget // 2")
+                     "--split shrink: --sink + --recent scaled to fit budget // 2, paper: budget / 16 each")
 
 
 @dataclass(frozen=True)
@@ -108,13 +122,25 @@ def budget_from_frac(frac: float, length: int, sink: int, recent: int) -> tuple[
     return (budget, *split_budget(budget, sink, recent, "shrink"))
 
 
+PROTOCOLS = ("plain", "paper", "legacy")
+PAPER_DENSE = {"streamingllm": [0], "snapkv": [0], "quest": [0, 1]}  # the paper's Table 8 protocol (Quest's own)
+PROTOCOL_CONVENTION = {
+    "plain": "every method's budget counts the prompt tokens a layer keeps; tokens generated after the prompt "
+             "are attended on top by every method; positional windows (sink, recent, snapkv's observation "
+             "window <= sink + recent, quest's last page) inside the budget; every baseline layer budgeted",
+    "paper": "plain, with the TailorKV paper's protocol for baselines: layer 0 dense for streamingllm and snapkv, "
+             "layers 0 and 1 dense for quest",
+    "legacy": "this engine's first eval: streamingllm and quest count generated tokens in the budget, tailorkv "
+              "and snapkv keep them outside; snapkv window <= budget // 2; every baseline layer budgeted"}
 KNOBS = None  # the budget key of exact methods' records (their settings ignore every budget)
 
 
 def settings_for(base: MethodSettings, method: str, length: int, budget: Budget | None,
-                 split: str = "shrink") -> MethodSettings:
+                 split: str = "shrink", protocol: str = "plain") -> MethodSettings:
     """The settings of `method` at `length` in a budget group: the shared knobs of `base` with the budget's
-    tokens and split (the paper's budgets bring their own sink, recent and r)."""
+    tokens and split (the paper's budgets bring their own sink, recent and r), under `protocol` (PROTOCOLS)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"--protocol {protocol}: use {', '.join(PROTOCOLS)}")
     s = dataclasses.replace(base, method=method, extra=dict(base.extra))
     if budget is not None and budget.kind != "knobs":
         s.budget = budget.at(length, base)
@@ -122,8 +148,12 @@ def settings_for(base: MethodSettings, method: str, length: int, budget: Budget 
             s.sink, s.recent, s.channels = PAPER_SPLITS[budget.tokens]
         else:
             s.sink, s.recent = split_budget(s.budget, base.sink, base.recent, split)
-        s.snap_window = max(1, min(base.snap_window, s.budget // 2))
+        if protocol == "legacy":
+            s.snap_window = max(1, min(base.snap_window, s.budget // 2))
+    if protocol != "legacy":
+        s.snap_window = max(1, min(base.snap_window, s.sink + s.recent, s.budget // 2))
+        dense = PAPER_DENSE.get(method) if protocol == "paper" else None
+        s.dense_layers = list(dense) if dense else None
+    s.free_generated = protocol != "legacy"
     s.validate()
     return s
-
-

@@ -37,6 +37,8 @@ def show(res: dict, con=None) -> None:
     from tailorkv.engine.evaluation.report import fidelity_table, score_tables, title_line
     con = con or _console()
     con.print(f"[bold]{escape(title_line(res))}[/]")
+    for w in res.get("warnings") or []:
+        con.print(f"[yellow]warning: {escape(w)}[/]")
     for t in score_tables(res):
         con.print(t)
     ft = fidelity_table(res)
@@ -67,6 +69,10 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--split", type=click.Choice(["shrink", "paper"]), default="shrink", show_default=True,
                   help="sink and recent inside a share or token budget: --sink/--recent shrunk to fit half "
                        "(shrink), or budget/16 each (paper)")
+    @click.option("--protocol", type=click.Choice(["plain", "paper", "legacy"]), default="plain", show_default=True,
+                  help="what budgets count: plain (the same prompt tokens for every method, generated tokens on "
+                       "top), paper (plain + the paper's dense layers for baselines: 0; quest 0-1), legacy "
+                       "(this engine's first eval)")
     @click.option("--max-new-tokens", type=int, default=None, help="greedy tokens per answer (default: per task)")
     @click.option("--question", type=click.Choice(["after", "both"]), default="after", show_default=True,
                   help="where the question goes: after the long text (RULER) or before and after it")
@@ -97,8 +103,8 @@ def register(main: click.Group) -> list[click.Command]:
     return [eval_cmd, eval_merge]
 
 
-def make_plan(knobs: dict, methods, lengths, samples, tasks, seed, budgets, budget_frac, split, max_new_tokens,
-              question, fidelity_tokens):
+def make_plan(knobs: dict, methods, lengths, samples, tasks, seed, budgets, budget_frac, split, protocol,
+              max_new_tokens, question, fidelity_tokens):
     """The EvalPlan of the command's options (ValueError naming the option when one is wrong)."""
     from tailorkv.engine import ui
     from tailorkv.engine.evaluation import budgets as B, plan as P
@@ -111,15 +117,15 @@ def make_plan(knobs: dict, methods, lengths, samples, tasks, seed, budgets, budg
         groups = [B.Budget(f"{budget_frac * 100:g}%", frac=budget_frac)]
     plan = P.EvalPlan(lengths=P.parse_lengths(lengths), methods=P.parse_methods(methods), tasks=P.parse_tasks(tasks),
                       samples=samples, seed=seed, base=ui.settings_from(method="full", **knobs), budgets=groups,
-                      split=split, max_new_tokens=max_new_tokens, fidelity_tokens=fidelity_tokens,
-                      question=question)
+                      split=split, protocol=protocol, max_new_tokens=max_new_tokens,
+                      fidelity_tokens=fidelity_tokens, question=question)
     plan.validate()
     return plan
 
 
 EVAL_OPTIONS = ("model", "weights", "random_weights", "device", "dtype", "methods", "lengths", "samples", "tasks",
-                "seed", "budgets", "budget_frac", "split", "max_new_tokens", "question", "fidelity_tokens", "out",
-                "shard", "resume")
+                "seed", "budgets", "budget_frac", "split", "protocol", "max_new_tokens", "question",
+                "fidelity_tokens", "out", "shard", "resume")
 
 
 def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, device, dtype, out, shard, resume,
@@ -148,7 +154,9 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
     if too_long:
         raise ui.UserError(f"--lengths {too_long[0]} is beyond what {loaded.name} supports "
                             f"({loaded.cfg.max_context} tokens): lower --lengths")
-    D.check_methods(loaded, plan)
+    warnings = D.check_methods(loaded, plan)
+    for w in warnings:
+        ui.err.print(f"[yellow]warning: {escape(w)}[/]")
 
     items = P.shard_items(plan.items(), shard_t)
     out = out or default_out_dir(loaded.name if not os.path.exists(model) else model)
@@ -161,7 +169,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                                             loaded.family) for m in plan.methods} for b in plan.budgets}
     common = dict(command=R.command_line(), args=dict(params), env=R.environment(dev), model=model_info(loaded),
                   plan=plan, shard=shard_t, suites_hash=prompts.suite_hash(suites, plan.question),
-                  layer_policies=policies)
+                  layer_policies=policies, warnings=warnings)
     records: list[dict] = []
     if resume and os.path.exists(json_path):
         try:

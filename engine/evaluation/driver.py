@@ -147,18 +147,29 @@ def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]]
     return out
 
 
-def check_methods(loaded, plan: EvalPlan) -> None:
+COUNTS_GENERATED = ("streamingllm", "quest")  # policies whose own rule spends budget on generated tokens
+
+
+def check_methods(loaded, plan: EvalPlan) -> list[str]:
     """Build a tiny cache for every (budget, method, length) setting so configuration errors (no layer profile,
-    a budget a policy refuses) surface once, as one clear message, before any work."""
+    a budget a policy refuses) surface once, as one clear message, before any work. Returns warnings: runs
+    whose policy does not say it honors settings.free_generated (a layer attribute `free_generated`), so their
+    budget still counts generated tokens whatever the protocol."""
     from tailorkv.engine.methods import build_cache
+    lax: dict[str, None] = {}
     for n in plan.lengths:
         for b, m in plan.runs():
             s = plan.settings(m, n, b)
             try:
-                build_cache(loaded, s, 64)
+                cache = build_cache(loaded, s, 64)
             except ValueError as e:
                 where = "" if b is None else f" budget {b}"
                 raise ValueError(f"{m} at length {length_label(n)}{where} ({s.budget} tokens = sink {s.sink} + "
                                  f"top-K {s.topk} + recent {s.recent}): {e}") from None
+            if s.free_generated:
+                lax.update({layer.name: None for layer in cache.layers if layer.name in COUNTS_GENERATED
+                            and getattr(layer, "free_generated", None) is not True})
     if plan.samples and loaded.tokenizer is None:
         raise ValueError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
+    return [f"{name} does not implement free_generated yet: its budget still counts the generated tokens "
+            f"(protocol {plan.protocol} asks every method to attend them on top)" for name in lax]

@@ -51,7 +51,7 @@ def merge_shards(shards: list[tuple[str, dict]]) -> tuple[dict, list[str]]:
         warnings.append(f"the shards ran at different commits: {sorted(map(str, commits))}")
     merged = results(command=first["command"], args=first["args"], env=first["env"], model=first["model"],
                      plan=plan, shard=None, records=records, suites_hash=first.get("suites_hash"),
-                     layer_policies=first.get("layer_policies"),
+                     layer_policies=first.get("layer_policies"), warnings=first.get("warnings"),
                      merged_from=[{"file": name, "command": res["command"], "date": res["env"].get("date"),
                                    "git_commit": res["env"].get("git_commit")} for name, res in shards])
     return merged, warnings

@@ -10,7 +10,7 @@ Conventions (written down here because they change the numbers):
   ``both`` states the question before the context too (this engine's first eval did).
 - Length: RULER's convention. --lengths L is the whole sequence: chat template + prompt + the task's max new
   tokens fit in L (prompts.build_suites).
-- Budgets: budgets.py.
+- Budgets and protocols (what each method's budget counts): budgets.py.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tailorkv.engine import ui
-from tailorkv.engine.evaluation.budgets import (BUDGET_CONVENTION, EXACT_METHODS, KNOBS, SPLITS, Budget,
-                                               settings_for)
+from tailorkv.engine.evaluation.budgets import (BUDGET_CONVENTION, EXACT_METHODS, KNOBS, PROTOCOL_CONVENTION,
+                                               PROTOCOLS, SPLITS, Budget, settings_for)
 from tailorkv.engine.evaluation.tasks import TASKS
 from tailorkv.engine.settings import METHODS, MethodSettings
 
@@ -115,6 +115,7 @@ class EvalPlan:
     fidelity_tokens: int = 0            # 0: no fidelity items
     question: str = "after"             # QUESTION_PLACEMENTS
     split: str = "shrink"               # SPLITS: sink / recent inside share and absolute budgets
+    protocol: str = "plain"             # PROTOCOLS: what each method's budget counts (budgets.py)
 
     def __post_init__(self):
         if not self.budgets:
@@ -137,6 +138,8 @@ class EvalPlan:
             raise ValueError(f"--question {self.question}: use {' or '.join(QUESTION_PLACEMENTS)}")
         if self.split not in SPLITS:
             raise ValueError(f"--split {self.split}: use {' or '.join(SPLITS)}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"--protocol {self.protocol}: use {', '.join(PROTOCOLS)}")
         for n in self.lengths:
             if self.fidelity_tokens and self.fidelity_tokens >= n:
                 raise ValueError(f"--fidelity-tokens {self.fidelity_tokens} must be smaller than the length {n}")
@@ -153,7 +156,7 @@ class EvalPlan:
     def settings(self, method: str, length: int, budget: str | None = KNOBS) -> MethodSettings:
         """budget None (the exact methods' records): the first group's settings, which they ignore."""
         group = self.budgets[0] if budget is None else self.budget(budget)
-        return settings_for(self.base, method, length, group, self.split)
+        return settings_for(self.base, method, length, group, self.split, self.protocol)
 
     def runs(self) -> list[tuple[str | None, str]]:
         """(budget label, method) of every method run per sample: the exact methods once (budget None, full
@@ -197,7 +200,7 @@ class EvalPlan:
     def to_dict(self) -> dict:
         return {"lengths": self.lengths, "methods": self.methods, "tasks": self.tasks,
                 "samples_per_task": self.samples, "seed": self.seed,
-                "budgets": [b.to_dict() for b in self.budgets], "split": self.split,
+                "budgets": [b.to_dict() for b in self.budgets], "split": self.split, "protocol": self.protocol,
                 "max_new_tokens": {t: self.max_new(t) for t in self.tasks},
                 "max_new_tokens_override": self.max_new_tokens, "fidelity_tokens": self.fidelity_tokens,
                 "question": self.question,
@@ -206,7 +209,7 @@ class EvalPlan:
                 "length_convention": "chat template + prompt + max new tokens fit in the length (RULER)",
                 "question_convention": {"after": "context, then the question (RULER)",
                                         "both": "the question, the context, the question again"}[self.question],
-                "budget_convention": BUDGET_CONVENTION}
+                "budget_convention": BUDGET_CONVENTION, "protocol_convention": PROTOCOL_CONVENTION[self.protocol]}
 
     def settings_dict(self) -> dict:
         """{budget label: {length: {method: settings}}} (exact methods ignore theirs)."""
@@ -222,7 +225,7 @@ class EvalPlan:
         return cls(lengths=list(e["lengths"]), methods=list(e["methods"]), tasks=list(e["tasks"]),
                    samples=e["samples_per_task"], seed=e["seed"], base=base, budgets=budgets,
                    max_new_tokens=e["max_new_tokens_override"], fidelity_tokens=e["fidelity_tokens"],
-                   question=e["question"], split=e["split"])
+                   question=e["question"], split=e["split"], protocol=e["protocol"])
 
 
 def shard_items(items: list[dict], shard: tuple[int, int] | None) -> list[dict]:

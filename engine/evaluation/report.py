@@ -34,7 +34,7 @@ def title_line(res: dict) -> str:
     env = res.get("env") or {}
     where = env.get("gpu") or env.get("device") or "?"
     return (f"{m.get('name', '?')} on {where}; {e['samples_per_task']} samples/task, seed {e['seed']}, "
-            f"question {e['question']}, {budget_line(e)}")
+            f"question {e['question']}, protocol {e['protocol']}, {budget_line(e)}")
 
 
 def budget_line(e: dict) -> str:

@@ -44,7 +44,7 @@ def _combine(values: list, ses: list) -> tuple[float | None, float | None]:
 
 
 def results(*, command, args, env, model, plan: EvalPlan, shard, records: list[dict], suites_hash=None,
-            layer_policies=None, merged_from=None) -> dict:
+            layer_policies=None, merged_from=None, warnings=None) -> dict:
     tasks = sorted((r for r in records if r["kind"] == "task"), key=lambda r: r["index"])
     fid = sorted((r for r in records if r["kind"] == "fidelity"), key=lambda r: r["index"])
     keys = plan.record_keys()
@@ -64,6 +64,7 @@ def results(*, command, args, env, model, plan: EvalPlan, shard, records: list[d
         "suites_hash": suites_hash,
         "settings": plan.settings_dict(),
         "layer_policies": layer_policies,  # per budget group and method: each layer's cache policy
+        "warnings": warnings or [],      # e.g. a policy that ignores the protocol's free_generated
         "complete": expected <= done,
         "records": tasks,
         "fidelity": fid,
