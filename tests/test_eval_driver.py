@@ -111,6 +111,46 @@ def test_suites_fit_the_length(tiny):
     assert all(abs(longer[n] + 4 - n) <= 0.03 * n for n in longer)  # fitted with the question stated twice
 
 
+# ------------------------------------------------------------------------------------------------ dNLL
+def _engine(tiny, settings, n=700):
+    from tailorkv.engine.generate import Engine
+    from tailorkv.engine.methods import build_cache
+    return Engine(tiny, build_cache(tiny, settings, n))
+
+
+def test_teacher_forcing_shares_the_greedy_path(tiny):
+    s = make_suite(tiny.tokenizer, 480, 1, 0, tasks=["passkey"])[0]
+    ids = prompts.prompt_ids(tiny.tokenizer, s)
+    full = MethodSettings(method="full")
+    with torch.inference_mode():
+        ref = D.greedy(_engine(tiny, full), ids, 6, own_nll=True)
+        assert len(ref["nll"]) == len(ref["picked"]) >= 1 and ref["agree"] == []
+        nll, agree = D.teacher_force(_engine(tiny, full), ids, ref["picked"])
+        assert nll == pytest.approx(ref["nll"], abs=1e-6) and all(agree)  # full's own picks, teacher-forced
+        small = MethodSettings(method="tailorkv", quant_layers=[0], budget=40, sink=4, recent=8, channels=2)
+        g = D.greedy(_engine(tiny, small), ids, 6, follow=ref["picked"])
+        tf, tf_agree = D.teacher_force(_engine(tiny, small), ids, ref["picked"])
+    k = len(g["nll"])  # the terms up to (and with) the first pick that left full's answer
+    assert 1 <= k <= len(tf) and g["nll"] == pytest.approx(tf[:k], abs=1e-6) and g["agree"] == tf_agree[:k]
+    assert (k == len(tf)) == (g["picked"][:len(tf)] == ref["picked"])
+
+
+def test_run_sample_dnll(tiny):
+    s = make_suite(tiny.tokenizer, 480, 1, 0, tasks=["passkey"])[0]
+    full = D.run_sample(tiny, MethodSettings(method="full"), s, 6)
+    ans = full["answer_ids"]
+    assert full["nll_tokens"] == len(ans) >= 1 and full["agree"] == 100.0 and "tf" not in full
+    # every layer sparse with a budget covering the context: exact, so the greedy pass is the teacher forcing
+    wide = MethodSettings(method="tailorkv", quant_layers=[], budget=800, sink=8, recent=16, channels=4)
+    r = D.run_sample(tiny, wide, s, 6, reference=ans)
+    assert r["tf"] == "shared" and r["nll"] == pytest.approx(full["nll"], abs=1e-5) and r["agree"] == 100.0
+    assert "answer_ids" not in r
+    small = MethodSettings(method="streamingllm", budget=24, sink=4, recent=8)
+    r = D.run_sample(tiny, small, s, 6, reference=ans)
+    assert r["tf"] == "separate" and r["nll_tokens"] == len(ans) and r["nll"] > full["nll"] and r["agree"] < 100
+    assert D.run_sample(tiny, small, s, 6)["nll"] is None  # no reference: nothing to score
+
+
 # ------------------------------------------------------------------------------------------------ fidelity
 def test_fidelity_full_vs_full_is_exact(tiny):
     ids = fidelity_ids(tiny.tokenizer, 300)
@@ -213,7 +253,7 @@ def test_eval_json_schema_and_records(single):
     assert [(r["budget"], r["method"]) for r in recs[:len(RUNS)]] == RUNS
     keys = {"index", "item", "kind", "length", "budget", "method", "task", "sample", "prompt_hash", "n_tokens",
             "prompt_tokens", "answers", "prediction", "score", "new_tokens", "stop", "loaded_frac", "attended_frac",
-            "status", "max_new_tokens", "prefill_s", "decode_s"}
+            "status", "max_new_tokens", "prefill_s", "decode_s", "nll", "nll_tokens", "dnll", "agree"}
     hashes = {}
     for r in recs:
         assert keys <= set(r), keys - set(r)
@@ -221,9 +261,15 @@ def test_eval_json_schema_and_records(single):
         assert 0 <= r["score"] <= 100 and r["answers"] and 1 <= r["new_tokens"] <= 4
         assert r["prompt_tokens"] + 4 <= r["length"] * 1.03
         hashes.setdefault(r["item"], set()).add(r["prompt_hash"])
+        assert r["nll_tokens"] >= 1 and math.isfinite(r["nll"]) and 0 <= r["agree"] <= 100
         if r["method"] == "full":
             assert r["loaded_frac"] is None and r["attended_frac"] is None and r["budget"] is None
-        elif r["method"] == "tailorkv":  # top-K = 64 - 8 - 16 = 40 (or 37, 53 at 12%) of ~500 tokens
+            assert r["dnll"] == 0.0 and len(r["answer_ids"]) == r["nll_tokens"] and "tf" not in r
+            ref = r
+            continue
+        assert r["dnll"] == pytest.approx(r["nll"] - ref["nll"]) and r["nll_tokens"] == ref["nll_tokens"]
+        assert r["tf"] in ("shared", "separate") and r["item"] == ref["item"]
+        if r["method"] == "tailorkv":  # top-K = 64 - 8 - 16 = 40 (or 37, 53 at 12%) of ~500 tokens
             assert 0 < r["loaded_frac"] < 0.12 and r["loaded_frac"] < r["attended_frac"] < 0.2
         else:
             assert r["loaded_frac"] is None and 0 < r["attended_frac"] <= 77 / 400
@@ -247,12 +293,15 @@ def test_eval_json_schema_and_records(single):
                           and r["budget"] == (None if m == "full" else g)]
                 assert cell["tasks"] == dict(zip(TASKS.split(","), scores))
                 assert cell["average"] == pytest.approx(sum(scores) / 2) and cell["average_se"] is None  # 1/task
+                dnll = [r["dnll"] for r in recs if str(r["length"]) == n and r["method"] == m
+                        and r["budget"] == (None if m == "full" else g)]
+                assert cell["dnll"] == pytest.approx(sum(dnll) / 2) and cell["dnll_se"] is None
         assert set(summ[g]["overall"]) == set(METHODS) and summ[g]["overall"]["full"]["diff"] == 0.0
     assert summ["64"]["per_length"]["512"]["full"] == summ["12%"]["per_length"]["512"]["full"]
     for name in ("eval_scores-64.png", "eval_scores-12pct.png", "eval_budgets.png", "eval_fidelity.png"):
         check_png(os.path.join(out, name))
     assert "Average" in output and "fidelity vs full" in output and "records ok" in output
-    assert "every budget" in output
+    assert "every budget" in output and "dNLL" in output
 
 
 def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):

@@ -3,9 +3,15 @@
 summary.py and merge.py what is written).
 
 One work item is either
-- a task item (length, method, sample): build a fresh cache for the method (max_len = prompt + max new + 16),
-  greedy-decode the sample's prompt, score the answer (scoring.score x 100); or
-- a fidelity item (length, method): teacher-forced comparison with the full cache (fidelity.py).
+- a task item (length, sample): for every run of the plan (full first, then each budget group's methods) build
+  a fresh cache (max_len = prompt + max new + 16), greedy-decode the sample's prompt, score the answer
+  (scoring.score x 100); and, for every method but full, teacher-force full's greedy answer (its tokens, plus
+  the EOS where full stopped) to get the answer's negative log-likelihood under the method:
+  ``nll`` = mean over the answer's tokens of -log p (nats/token), ``dnll`` = nll - full's nll on the same
+  sample (full's own nll comes from its greedy pass; its dnll is 0), ``agree`` = % of the answer's tokens the
+  method ranks first. While a method's greedy path equals full's answer, the greedy pass is the teacher-forced
+  one (``tf`` 'shared'); after it leaves it, a second prefill on a fresh cache does it (``tf`` 'separate'); or
+- a fidelity item (length, budget, method): teacher-forced comparison with the full cache (fidelity.py).
 
 Tokens loaded: per decode step, from the cache's stats() (the step's counters, summed over layers):
   ``loaded_frac``   sparse-offload layers (tailorkv): tokens_fetched / (n_sparse_layers * context), the share of
@@ -58,31 +64,105 @@ def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def run_sample(loaded, settings: MethodSettings, sample: Sample, max_new: int, question: str = "after") -> dict:
-    """Greedy-decode one sample with a fresh cache; returns the record's measured fields."""
+def _pick(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(log-probabilities fp32 [V], the greedy token) of one position's logits."""
+    lp = torch.log_softmax(logits.reshape(-1).float(), -1)
+    return lp, int(lp.argmax())
+
+
+def greedy(engine, ids: list[int], max_new: int, follow: list[int] | None = None, own_nll: bool = False,
+           on_step: Callable[[], None] | None = None) -> dict:
+    """Prefill ids, then pick the argmax until EOS, max_new tokens or a full context. Returns the answer (EOS
+    not included), `picked` (the answer, plus the EOS when it stopped there), the stop reason, and NLL terms:
+    of its own picks (own_nll), or of `follow` (a reference answer) at every position where the picks so far
+    equal follow's (while the two paths agree, teacher forcing along follow is this very computation).
+    on_step() runs after every decode step."""
+    eos = engine.eos_ids
+    t0 = time.perf_counter()
+    lp, tok = _pick(engine.forward(ids))
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out, picked, nll, agree, stop = [], [], [], [], ""
+    while True:
+        j = len(picked)
+        if own_nll:
+            nll.append(-float(lp[tok]))
+        elif follow is not None and j < len(follow) and picked == follow[:j]:
+            nll.append(-float(lp[follow[j]]))
+            agree.append(tok == follow[j])
+        picked.append(tok)
+        if tok in eos:
+            stop = "eos"
+            break
+        out.append(tok)
+        if len(out) >= max_new:
+            stop = "length"
+            break
+        if len(engine.tokens) + 1 > engine.max_len:
+            stop = "context full"
+            break
+        lp, tok = _pick(engine.forward([tok]))
+        if on_step is not None:
+            on_step()
+    return {"answer": out, "picked": picked, "stop": stop, "nll": nll, "agree": agree, "prefill_s": prefill_s,
+            "decode_s": time.perf_counter() - t0}
+
+
+def teacher_force(engine, ids: list[int], answer: list[int]) -> tuple[list[float], list[bool]]:
+    """Prefill ids, then feed answer[:-1]: per answer token its NLL and whether it was the argmax."""
+    nll, agree = [], []
+    logits = engine.forward(ids)
+    for j, t in enumerate(answer):
+        lp, tok = _pick(logits)
+        nll.append(-float(lp[t]))
+        agree.append(tok == t)
+        if j + 1 < len(answer):
+            logits = engine.forward([t])
+    return nll, agree
+
+
+def run_sample(loaded, settings: MethodSettings, sample: Sample, max_new: int, question: str = "after",
+               reference: list[int] | None = None) -> dict:
+    """Greedy-decode one sample with a fresh cache and score it. NLL per answer token: for full (reference
+    None and method full), of its own answer (`answer_ids`); with a reference (full's answer_ids), of that
+    answer under this method, teacher-forced (a second prefill on a fresh cache only when the greedy path
+    left the reference: `tf` 'separate', else 'shared'), with `agree` = % of its tokens that were the argmax."""
     from tailorkv.engine.generate import Engine
     from tailorkv.engine.methods import build_cache
 
     tok = loaded.tokenizer
     ids = prompt_ids(tok, sample, question)
-    cache = build_cache(loaded, settings, len(ids) + max_new + MARGIN)
+    max_len = len(ids) + max_new + MARGIN
+    cache = build_cache(loaded, settings, max_len)
     engine = Engine(loaded, cache)
     fracs: dict[str, list[float]] = {"loaded_frac": [], "attended_frac": []}
-    seen = [0]
 
-    def on_token(_tok: int) -> None:
-        seen[0] += 1
-        if seen[0] > 1:  # the first token comes from the prefill's logits; later ones from a decode step
-            for k, v in step_fractions(cache, len(engine.tokens)).items():
-                fracs[k].append(v)
+    def on_step() -> None:
+        for k, v in step_fractions(cache, len(engine.tokens)).items():
+            fracs[k].append(v)
 
+    own = reference is None and settings.method == "full"
     with torch.inference_mode():
-        out, st = engine.generate(ids, max_new, on_token)
-    pred = tok.decode(out, skip_special_tokens=True)
-    return {"prompt_tokens": len(ids), "prediction": pred, "new_tokens": st.new_tokens, "stop": st.stop,
-            "score": 100.0 * score(pred, sample.answers, sample.metric),
-            "loaded_frac": _mean(fracs["loaded_frac"]), "attended_frac": _mean(fracs["attended_frac"]),
-            "prefill_s": st.prefill_s, "decode_s": st.decode_s}
+        g = greedy(engine, ids, max_new, follow=reference, own_nll=own, on_step=on_step)
+    pred = tok.decode(g["answer"], skip_special_tokens=True)
+    rec = {"prompt_tokens": len(ids), "prediction": pred, "new_tokens": len(g["answer"]), "stop": g["stop"],
+           "score": 100.0 * score(pred, sample.answers, sample.metric),
+           "loaded_frac": _mean(fracs["loaded_frac"]), "attended_frac": _mean(fracs["attended_frac"]),
+           "prefill_s": g["prefill_s"], "decode_s": g["decode_s"], "nll": None, "nll_tokens": 0}
+    nll, agree = g["nll"], g["agree"]
+    if own:
+        rec["answer_ids"] = g["picked"]
+        agree = [True] * len(nll)
+    elif reference:
+        rec["tf"] = "shared"
+        if len(nll) < len(reference):
+            del engine, cache  # free this cache before the next
+            rec["tf"] = "separate"
+            with torch.inference_mode():
+                nll, agree = teacher_force(Engine(loaded, build_cache(loaded, settings, max_len)), ids, reference)
+    if nll:
+        rec.update(nll=statistics.fmean(nll), nll_tokens=len(nll), agree=100.0 * statistics.fmean(agree))
+    return rec
 
 
 def _failure(e: BaseException) -> dict:
@@ -134,7 +214,8 @@ def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]]
         return [_run_one(rec, fidelity, device)]
     sample = suites[n][item["suite_index"]]
     max_new = plan.max_new(sample.task)
-    out = []
+    out: list[dict] = []
+    full: dict = {}
     for b, m in plan.runs():
         rec = {"index": index[(item["index"], b, m)], "item": item["index"], "kind": "task", "length": n,
                "budget": b, "method": m, "task": sample.task, "sample": item["sample"],
@@ -143,7 +224,14 @@ def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]]
                "max_new_tokens": max_new}
         say(m if b is None else f"{m} @ {b}")
         settings = plan.settings(m, n, b)
-        out.append(_run_one(rec, lambda: run_sample(loaded, settings, sample, max_new, plan.question), device))
+        ref = full.get("answer_ids") if m != "full" else None
+        out.append(_run_one(rec, lambda: run_sample(loaded, settings, sample, max_new, plan.question, ref), device))
+        if m == "full" and rec["status"] == "ok":
+            full = rec
+        if ref is not None and rec.get("nll") is not None:
+            rec["dnll"] = rec["nll"] - full["nll"]
+        elif m == "full" and rec.get("nll") is not None:
+            rec["dnll"] = 0.0
     return out
 
 

@@ -105,8 +105,11 @@ def plot_budgets(res: dict, path: str) -> None:
     summ = res["summary"]["budgets"]
     first = e["budgets"][0]["label"]
     for j, (name, n) in enumerate(cols):
+        xs_all = [x for m in sparse for key, _ in keys for x, _, _ in _curve_points(res, m, n, key)]
         for r, (key, ylabel) in enumerate(keys):
             ax = axes[r][j]
+            if xs_all:  # explicit limits: a single budget would leave a log axis without width
+                ax.set_xlim(min(xs_all) / 1.4, max(xs_all) * 1.4)
             for i, m in enumerate(methods):
                 color = f"C{i % 10}"
                 if m in EXACT_METHODS:

@@ -5,6 +5,8 @@ Summary statistics, per (budget group, length, method), over the samples that ra
 - ``average_se``: its standard error, stratified by task: sqrt(sum_t s_t^2 / n_t) / T (s_t the sample standard
   deviation of task t's scores); None while a task has fewer than 2 samples.
 - ``diff`` / ``diff_se``: the same over the paired differences score(method) - score(full) of each sample.
+- ``dnll`` / ``dnll_se``: the same over each sample's dNLL (nats per token of full's greedy answer, method minus
+  full; driver.py); ``agree``: the mean % of full's answer tokens the method ranked first (teacher-forced).
 Across lengths (``overall``): the mean of the per-length values, SE = sqrt(sum of squared SEs) / n_lengths.
 Exact methods (full, offload) run once per sample; their cells appear in every budget group.
 """
@@ -76,15 +78,22 @@ def _cell(rs: list[dict], full: dict, plan: EvalPlan) -> dict:
     ok = [r for r in rs if r["status"] == "ok"]
     scores: dict = {}
     diffs: dict = {}
+    dnlls: dict = {}
+    agree: list = []
     for r in ok:
         scores.setdefault(r["task"], []).append(r["score"])
         ref = full.get((r["length"], r["task"], r["sample"]))
         if ref is not None:
             diffs.setdefault(r["task"], []).append(r["score"] - ref)
+        if r.get("dnll") is not None:
+            dnlls.setdefault(r["task"], []).append(r["dnll"])
+            agree.append(r["agree"])
     avg, avg_se = stratified(scores, plan.tasks)
     diff, diff_se = stratified(diffs, plan.tasks)
+    dnll, dnll_se = stratified(dnlls, plan.tasks)
     cell = {"tasks": {t: _mean(scores.get(t, [])) for t in plan.tasks}, "average": avg, "average_se": avg_se,
-            "diff": diff, "diff_se": diff_se, "n": len(ok), "failed": len(rs) - len(ok)}
+            "diff": diff, "diff_se": diff_se, "dnll": dnll, "dnll_se": dnll_se, "agree": _mean(agree),
+            "n": len(ok), "failed": len(rs) - len(ok)}
     for key in ("loaded_frac", "attended_frac"):
         cell[key] = _mean([r[key] for r in ok if r.get(key) is not None])
     return cell
@@ -113,7 +122,10 @@ def summarize(records: list[dict], plan: EvalPlan) -> dict:
             tasks = {t: _combine([c["tasks"][t] for c in cells], [0.0] * len(cells))[0] for t in plan.tasks}
             avg, avg_se = _combine([c["average"] for c in cells], [c["average_se"] for c in cells])
             diff, diff_se = _combine([c["diff"] for c in cells], [c["diff_se"] for c in cells])
+            dnll, dnll_se = _combine([c["dnll"] for c in cells], [c["dnll_se"] for c in cells])
+            agree = _combine([c["agree"] for c in cells], [None] * len(cells))[0]
             overall[m] = {"tasks": tasks, "average": avg, "average_se": avg_se, "diff": diff, "diff_se": diff_se,
+                          "dnll": dnll, "dnll_se": dnll_se, "agree": agree,
                           "n": sum(c["n"] for c in cells), "failed": sum(c["failed"] for c in cells)}
         out[b.label] = {"per_length": per, "overall": overall}
     return {"budgets": out}
