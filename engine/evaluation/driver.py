@@ -72,16 +72,25 @@ def _pick(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def greedy(engine, ids: list[int], max_new: int, follow: list[int] | None = None, own_nll: bool = False,
            on_step: Callable[[], None] | None = None) -> dict:
-    """Prefill ids, then pick the argmax until EOS, max_new tokens or a full context. Returns the answer (EOS
-    not included), `picked` (the answer, plus the EOS when it stopped there), the stop reason, and NLL terms:
-    of its own picks (own_nll), or of `follow` (a reference answer) at every position where the picks so far
-    equal follow's (while the two paths agree, teacher forcing along follow is this very computation).
-    on_step() runs after every decode step."""
-    eos = engine.eos_ids
+    """Prefill ids, then decode() greedily; prefill_s and decode_s timed."""
     t0 = time.perf_counter()
-    lp, tok = _pick(engine.forward(ids))
+    logits = engine.forward(ids)
+    _pick(logits)  # waits for the device
     prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
+    out = decode(engine, logits, max_new, follow, own_nll, on_step)
+    return dict(out, prefill_s=prefill_s, decode_s=time.perf_counter() - t0)
+
+
+def decode(engine, logits: torch.Tensor, max_new: int, follow: list[int] | None = None, own_nll: bool = False,
+           on_step: Callable[[], None] | None = None) -> dict:
+    """From `logits` (the prefill's), pick the argmax until EOS, max_new tokens or a full context. Returns the
+    answer (EOS not included), `picked` (the answer, plus the EOS when it stopped there), the stop reason, and
+    NLL terms: of its own picks (own_nll), or of `follow` (a reference answer) at every position where the picks
+    so far equal follow's (while the two paths agree, teacher forcing along follow is this very computation).
+    on_step() runs after every decode step."""
+    eos = engine.eos_ids
+    lp, tok = _pick(logits)
     out, picked, nll, agree, stop = [], [], [], [], ""
     while True:
         j = len(picked)
@@ -104,14 +113,17 @@ def greedy(engine, ids: list[int], max_new: int, follow: list[int] | None = None
         lp, tok = _pick(engine.forward([tok]))
         if on_step is not None:
             on_step()
-    return {"answer": out, "picked": picked, "stop": stop, "nll": nll, "agree": agree, "prefill_s": prefill_s,
-            "decode_s": time.perf_counter() - t0}
+    return {"answer": out, "picked": picked, "stop": stop, "nll": nll, "agree": agree}
 
 
 def teacher_force(engine, ids: list[int], answer: list[int]) -> tuple[list[float], list[bool]]:
-    """Prefill ids, then feed answer[:-1]: per answer token its NLL and whether it was the argmax."""
+    """Prefill ids, then force() the answer."""
+    return force(engine, engine.forward(ids), answer)
+
+
+def force(engine, logits: torch.Tensor, answer: list[int]) -> tuple[list[float], list[bool]]:
+    """From `logits` (the prefill's), feed answer[:-1]: per answer token its NLL and whether it was the argmax."""
     nll, agree = [], []
-    logits = engine.forward(ids)
     for j, t in enumerate(answer):
         lp, tok = _pick(logits)
         nll.append(-float(lp[t]))
