@@ -37,7 +37,8 @@ def turn_line(stats, engine) -> str:
 @click.option("--no-chat-template", is_flag=True, help="feed raw text, no chat template")
 @friendly
 def run(model, weights, random_weights, device, dtype, method, bits, budget, sink, recent, channels,
-        quant_layers, ctx, prompt, system, max_new_tokens, temperature, top_p, top_k, seed, stop, no_chat_template):
+        quant_layers, select_rule, channel_rule, ctx, prompt, system, max_new_tokens, temperature, top_p, top_k,
+        seed, stop, no_chat_template):
     """Chat with a model (or answer one --prompt)."""
     from tailorkv.engine.chat import ChatSession
     from tailorkv.engine.generate import Engine
@@ -46,7 +47,7 @@ def run(model, weights, random_weights, device, dtype, method, bits, budget, sin
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
     sampling.validate()
-    settings = settings_from(method, bits, budget, sink, recent, channels, quant_layers)
+    settings = settings_from(method, bits, budget, sink, recent, channels, quant_layers, select_rule, channel_rule)
     dev = pick_device(device)
     ctx_len = parse_ctx(ctx) if ctx else None
     loaded = load_with_progress(model, weights, random_weights, dev, pick_dtype(dtype, dev), quiet=prompt is not None)

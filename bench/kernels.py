@@ -243,7 +243,7 @@ def bench_sparse():
     ms, mode = gpu_time([lambda p=p: k(q, dev_k, dev_v, host_k, host_v, p, position, tail_start, S) for p in poss])
     base_ms, _ = gpu_time([lambda p=p: former(p) for p in poss])
     pcie = 2 * B * Hkv * K * D * 2
-    return [result(f"sparse_decode_attention bf16 K=896 S+C=256 host N=128k", checks, ms, mode, pcie, PCIE,
+    return [result("sparse_decode_attention bf16 K=896 S+C=256 host N=128k", checks, ms, mode, pcie, PCIE,
                    "policy's former path (2 gathers, cats, masks, decode_attention)", base_ms,
                    dict(device_bytes=2 * B * Hkv * (S + C) * D * 2))]
 

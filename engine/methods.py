@@ -24,8 +24,10 @@ def profile_quant_layers(family: dict) -> list[int] | None:
 
 
 def layer_policies(settings: MethodSettings, n_layers: int, family: dict) -> list[str]:
-    """The policy name of each layer."""
+    """The policy name of each layer: the method's (tailorkv: quant / sparse by the profile), then `full` for
+    settings.dense_layers."""
     m = settings.method
+    names = [m] * n_layers
     if m == "tailorkv":
         quant = settings.quant_layers
         if quant is None:
@@ -36,8 +38,12 @@ def layer_policies(settings: MethodSettings, n_layers: int, family: dict) -> lis
         bad = [i for i in quant if not 0 <= i < n_layers]
         if bad:
             raise ValueError(f"--quant-layers {bad} out of range: the model has {n_layers} layers")
-        return ["quant" if i in set(quant) else "sparse" for i in range(n_layers)]
-    return [m] * n_layers
+        names = ["quant" if i in set(quant) else "sparse" for i in range(n_layers)]
+    dense = set(settings.dense_layers or [])
+    bad = sorted(i for i in dense if not 0 <= i < n_layers)
+    if bad:
+        raise ValueError(f"dense layers {bad} out of range: the model has {n_layers} layers")
+    return ["full" if i in dense else name for i, name in enumerate(names)]
 
 
 def policy_class(name: str):

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, asdict
 
 METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
+SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
+CHANNEL_RULES = ("paper", "max", "l2")   # how the r channels per KV head are chosen (ops/sparse_select.py)
 
 
 @dataclass
@@ -16,15 +18,29 @@ class MethodSettings:
     sink: int = 64
     recent: int = 64
     channels: int = 12       # r: channels per KV head used for approximate scores
+    select_rule: str = "lse"   # SELECT_RULES: paper = summed logits of the group's heads (the reference code);
+    #                            lse / psum = logsumexp of their logits / sum of their softmax probabilities
+    channel_rule: str = "paper"  # CHANNEL_RULES: paper = |group mean of q_hat| x max|K|; max = max over the
+    #                              group of |q_hat_h| x max|K|; l2 = the group's L2 norm of q_hat x max|K|
     quant_layers: list[int] | None = None  # None: from the model's profile
     page: int = 16           # quest page size
     snap_window: int = 32    # snapkv observation window (last prompt queries)
     snap_pool: int = 7       # snapkv pooling kernel
+    dense_layers: list[int] | None = None  # layers that use the `full` policy whatever the method
+    free_generated: bool = False  # True: the budget counts kept prompt tokens only; tokens generated after the
+    #                               prompt are attended on top by every policy (eval's plain/paper protocols).
+    #                               False: each policy's own rule (streamingllm's window and quest's pages
+    #                               hold them inside the budget; tailorkv's tail and snapkv keep them outside)
     extra: dict = field(default_factory=dict)
 
     @property
     def topk(self) -> int:
         return max(0, self.budget - self.sink - self.recent)
+
+    @property
+    def combine_rule(self) -> str:
+        """ops.sparse_select.combine_heads' name for select_rule."""
+        return "sum" if self.select_rule == "paper" else self.select_rule
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -35,6 +51,12 @@ class MethodSettings:
             raise ValueError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}")
         if self.channels < 1:
             raise ValueError("--channels must be at least 1")
+        if self.select_rule not in SELECT_RULES:
+            raise ValueError(f"--select-rule {self.select_rule}: use {', '.join(SELECT_RULES)}")
+        if self.channel_rule not in CHANNEL_RULES:
+            raise ValueError(f"--channel-rule {self.channel_rule}: use {', '.join(CHANNEL_RULES)}")
+        if self.dense_layers is not None and any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
+            raise ValueError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
 
     def to_dict(self) -> dict:
         return asdict(self)

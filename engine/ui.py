@@ -119,7 +119,7 @@ def model_options(fn):
 
 
 def method_options(fn):
-    from tailorkv.engine.settings import METHODS, MethodSettings
+    from tailorkv.engine.settings import CHANNEL_RULES, METHODS, SELECT_RULES, MethodSettings
     d = MethodSettings()
     opts = [
         click.option("--method", type=click.Choice(METHODS), default="full", show_default=True, help="KV-cache method"),
@@ -130,13 +130,20 @@ def method_options(fn):
         click.option("--recent", type=int, default=d.recent, show_default=True),
         click.option("--channels", type=int, default=d.channels, show_default=True, help="r channels per KV head"),
         click.option("--quant-layers", default=None, help="e.g. 0,1 (default: the model's profile)"),
+        click.option("--select-rule", type=click.Choice(SELECT_RULES), default=d.select_rule, show_default=True,
+                     help="top-K tokens of a KV head from its query heads' scores: summed logits (paper), "
+                          "logsumexp of logits (lse), summed probabilities (psum)"),
+        click.option("--channel-rule", type=click.Choice(CHANNEL_RULES), default=d.channel_rule,
+                     show_default=True, help="r channels per KV head by |group mean of q| (paper), the max over "
+                                             "the group's heads (max) or their L2 norm (l2), times max|K|"),
     ]
     for o in reversed(opts):
         fn = o(fn)
     return fn
 
 
-def settings_from(method, bits, budget, sink, recent, channels, quant_layers):
+def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select_rule=None,
+                  channel_rule=None):
     from tailorkv.engine.settings import MethodSettings
     ql = None
     if quant_layers is not None:
@@ -145,7 +152,8 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers):
         except ValueError:
             raise UserError(f"--quant-layers '{quant_layers}' is not a list of layer numbers like 0,1") from None
     s = MethodSettings(method=method, bits=int(bits), budget=budget, sink=sink, recent=recent,
-                       channels=channels, quant_layers=ql)
+                       channels=channels, quant_layers=ql,
+                       **{k: v for k, v in (("select_rule", select_rule), ("channel_rule", channel_rule)) if v})
     s.validate()
     return s
 

@@ -5,6 +5,7 @@
 #                 (without it the GPU time-slices between processes)
 #   TIME_LIMIT=S  stop the shards after S seconds (SIGINT: each saves what it finished). Every shard runs with
 #                 --resume, so the same command later does only what is left; the merge needs every shard.
+#   METHODS=a,b   the methods (default full,tailorkv,streamingllm,snapkv,quest)
 set -u
 out=$1; n=$2; lengths=$3; shift 3
 mkdir -p "$out"
@@ -18,7 +19,7 @@ echo "$n shards over $ngpu GPU(s)"
 for i in $(seq 0 $((n - 1))); do
   CUDA_VISIBLE_DEVICES=$((i % ngpu)) OMP_NUM_THREADS=1 timeout -s INT "${TIME_LIMIT:-0}" \
     python3 -c "import cli; cli.main()" eval --model smollm2-135m --device cuda --dtype bf16 \
-    --methods full,tailorkv,streamingllm,snapkv,quest --lengths "$lengths" --out "$out" --shard "$i/$n" \
+    --methods "${METHODS:-full,tailorkv,streamingllm,snapkv,quest}" --lengths "$lengths" --out "$out" --shard "$i/$n" \
     --resume "$@" > "$out/shard-$i.log" 2>&1 &
 done
 wait

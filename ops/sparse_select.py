@@ -1,9 +1,16 @@
 """TailorKV's token selection for sparsity-friendly layers, as torch references (fp32 math).
 
 GQA: query head h belongs to KV head h // G (G = Hq // Hkv), so q [B, Hq, 1, D] is viewed as [B, Hkv, G, D].
-1. channel_scores: s = |mean over the group of q_hat| * max|K|  -> [B, Hkv, D]
+1. channel_scores: per KV head and channel, how much it can move the group's logits -> [B, Hkv, D]
+   ("paper": |mean over the group of q_hat| * max|K|; "max": max over the group of |q_hat_h| * max|K|;
+   "l2": the group's L2 norm of q_hat * max|K|)
 2. topk_channels:  the r best channels per KV head              -> [B, Hkv, r]
-3. approx_scores:  q . K over those r channels only, summed over the group -> [B, Hkv, N]
+3. scoring over those r channels only:
+   approx_scores:  q . K summed over the group (the paper's rule)  -> [B, Hkv, N]
+   head_scores:    q_h . K per query head                          -> [B, Hq, N]
+   combine_heads:  one score per KV head from its heads' scores    -> [B, Hkv, N]
+   ("sum": summed logits = approx_scores; "lse": logsumexp of the heads' scaled logits; "psum": sum of the
+   heads' softmax probabilities over the N tokens)
 4. topk_tokens:    the K best tokens per KV head                 -> [B, Hkv, K]
 A CUDA kernel may replace each one through the dispatch rule (ops.dispatch); approx_scores and topk_tokens
 have one (ops/sparse_select_cuda.py, ops/topk_cuda.py).
@@ -15,6 +22,9 @@ import torch
 from tailorkv.ops import sparse_select_cuda, topk_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 
+CHANNEL_RULES = ("paper", "max", "l2")
+COMBINE_RULES = ("sum", "lse", "psum")
+
 
 def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     """q [B, Hq, 1, D] -> [B, Hkv, G, D] fp32."""
@@ -24,9 +34,18 @@ def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 
 @op("channel_scores")
-def channel_scores(q_hat: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+def channel_scores(q_hat: torch.Tensor, kmax: torch.Tensor, rule: str = "paper") -> torch.Tensor:
     """q_hat [B, Hq, 1, D]; kmax [B, Hkv, D] (max |K| per KV head and channel) -> [B, Hkv, D] fp32."""
-    return _grouped(q_hat, kmax.shape[1]).mean(2).abs() * kmax.float()
+    qg = _grouped(q_hat, kmax.shape[1])
+    if rule == "paper":
+        q = qg.mean(2).abs()
+    elif rule == "max":
+        q = qg.abs().amax(2)
+    elif rule == "l2":
+        q = qg.square().sum(2).sqrt()
+    else:
+        raise ValueError(f"unknown channel rule {rule!r}: use {', '.join(CHANNEL_RULES)}")
+    return q * kmax.float()
 
 
 @op("topk_channels")
@@ -51,6 +70,33 @@ def approx_scores(q: torch.Tensor, kt_rows: torch.Tensor, channels: torch.Tensor
         raise ValueError(f"approx_scores: out is {tuple(out.shape)} {out.dtype}, expected {tuple(scores.shape)} "
                          f"torch.float32")
     return out.copy_(scores)
+
+
+@op("head_scores")
+def head_scores(q: torch.Tensor, kt_rows: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, 1, D]; kt_rows [B, Hkv, r, N]; channels [B, Hkv, r] -> [B, Hq, N] fp32: for query head h,
+    q_h[channels] . K^T[channels] over the rows of its KV head h // G (unscaled logits)."""
+    B, Hq = q.shape[:2]
+    qg = _grouped(q, kt_rows.shape[1])                                    # [B, Hkv, G, D]
+    idx = channels[:, :, None, :].expand(-1, -1, qg.shape[2], -1)
+    return (qg.gather(3, idx) @ kt_rows.float()).reshape(B, Hq, -1)      # [B, Hkv, G, N] -> [B, Hq, N]
+
+
+@op("combine_heads")
+def combine_heads(scores: torch.Tensor, n_kv: int, rule: str = "lse", sm_scale: float = 1.0) -> torch.Tensor:
+    """scores [B, Hq, N] (head_scores' logits) -> [B, Hkv, N] fp32, one score per KV head and token, from the
+    G = Hq // n_kv heads of its group: "sum" the logits (the paper's rule; equals approx_scores); "lse"
+    logsumexp of sm_scale * logits (a token one head wants stays high); "psum" the sum over the heads of
+    softmax(sm_scale * logits) over the N tokens (each head's probability mass)."""
+    B, Hq, N = scores.shape
+    s = scores.float().reshape(B, n_kv, Hq // n_kv, N)
+    if rule == "sum":
+        return s.sum(2)
+    if rule == "lse":
+        return torch.logsumexp(s * sm_scale, 2)
+    if rule == "psum":
+        return torch.softmax(s * sm_scale, -1).sum(2)
+    raise ValueError(f"unknown select rule {rule!r}: use {', '.join(COMBINE_RULES)}")
 
 
 @op("topk_tokens")

@@ -1,8 +1,9 @@
 """`tailorkv eval` on CPU with a tiny random Llama and a byte-level tokenizer: the JSON schema and records, the
 prompt format, --budget-frac, shards that partition the work and merge into the single run, the PNGs, fidelity
 (full vs full is exact), one-line errors."""
-import math
+import dataclasses
 import json
+import math
 import os
 
 import click
@@ -10,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from tailorkv.engine.evaluation import driver as D
+from tailorkv.engine.evaluation import driver as D, plan as P, prompts, summary as S
 from tailorkv.engine.evaluation.fidelity import RecallProbe, compare_logits, fidelity_ids, run_fidelity
 from tailorkv.engine.evaluation.tasks import make_suite
 from tailorkv.engine.evaluation.command import register
@@ -27,7 +28,9 @@ TASKS = "passkey,variable_tracking"
 METHODS = ["full", "tailorkv", "streamingllm"]
 COMMON = ["--device", "cpu", "--dtype", "fp32", "--lengths", LENGTHS, "--samples", "1", "--tasks", TASKS,
           "--max-new-tokens", "4", "--budget", "64", "--sink", "8", "--recent", "16", "--channels", "4",
-          "--quant-layers", "0", "--fidelity-tokens", "4", "--methods", ",".join(METHODS)]
+          "--quant-layers", "0", "--fidelity-tokens", "4", "--methods", ",".join(METHODS), "--budgets", "64,12%"]
+GROUPS = ["64", "12%"]
+RUNS = [(None, "full")] + [(b, m) for b in GROUPS for m in METHODS[1:]]  # each sample's runs, in order
 
 
 
@@ -59,72 +62,94 @@ def single(tiny_dir, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
-def test_budget_frac():
-    assert D.budget_from_frac(0.03, 4096, 64, 64) == (123, 30, 31)  # 64+64 > 61: scaled into budget // 2
-    assert D.budget_from_frac(0.25, 4096, 64, 64) == (1024, 64, 64)  # fits: unchanged
-    assert D.budget_from_frac(0.03, 8192, 8, 56) == (246, 8, 56)
-    b, s, r = D.budget_from_frac(0.01, 2048, 64, 64)
-    assert b == 20 and s + r <= b // 2
-    base = MethodSettings(sink=64, recent=64, budget=999)
-    s = D.settings_for(base, "snapkv", 4096, 0.03)
-    assert (s.method, s.budget, s.sink, s.recent, s.snap_window) == ("snapkv", 123, 30, 31, 32)
-    assert D.settings_for(base, "snapkv", 2048, 0.03).snap_window == 30  # capped at budget // 2 = 30
-    assert D.settings_for(base, "tailorkv", 4096, None).budget == 999  # no fraction: the knobs as given
-    assert base.method == "full" and base.budget == 999  # not mutated
-    with pytest.raises(ValueError):
-        D.budget_from_frac(0, 4096, 64, 64)
-
-
 def test_parsers():
-    assert D.parse_lengths("2k, 4k,4096,0.5k") == [2048, 4096, 512]
-    assert D.parse_methods("full,tailorkv,full") == ["full", "tailorkv"]
-    assert D.parse_shard("2/5") == (2, 5) and D.parse_shard(None) is None
+    assert P.parse_lengths("2k, 4k,4096,0.5k") == [2048, 4096, 512]
+    assert P.parse_methods("full,tailorkv,full") == ["full", "tailorkv"]
+    assert P.parse_shard("2/5") == (2, 5) and P.parse_shard(None) is None
     for bad in ("abc", "4k,x", ""):
         with pytest.raises(ValueError, match="--lengths"):
-            D.parse_lengths(bad)
+            P.parse_lengths(bad)
     for bad in ("5/5", "x", "-1/2", "1/0"):
         with pytest.raises(ValueError, match="--shard"):
-            D.parse_shard(bad)
+            P.parse_shard(bad)
     with pytest.raises(ValueError, match="unknown method 'magic'"):
-        D.parse_methods("full,magic")
+        P.parse_methods("full,magic")
     with pytest.raises(ValueError, match="unknown task"):
-        D.parse_tasks("passkey,nope")
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 14])
-def test_shards_partition_the_plan(n):
-    plan = D.EvalPlan(lengths=[512, 640], methods=METHODS, tasks=["passkey", "variable_tracking"], samples=3,
-                      fidelity_tokens=4)
-    items = plan.items()
-    assert len(items) == 2 * 3 * 2 * 3 + 2 * 3 and [it["index"] for it in items] == list(range(len(items)))
-    parts = [{it["index"] for it in D.shard_items(items, (i, n))} for i in range(n)]
-    assert sum(len(p) for p in parts) == len(items)           # disjoint ...
-    assert set().union(*parts) == set(range(len(items)))      # ... and covering
-    assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
+        P.parse_tasks("passkey,nope")
 
 
 def test_prompt_format(tiny):
     tok = tiny.tokenizer
     s = make_suite(tok, 400, 1, 0, tasks=["passkey"])[0]
-    text = D.render_prompt(tok, s)
     q = s.question.strip()
-    assert text.startswith("<user>" + q + "\n\n" + s.context)   # the question before the context ...
-    assert (s.context + s.question + "</user>") in text         # ... and after it
-    assert text.index(q) < text.index(s.context) < text.rindex(q)
+    text = prompts.render_prompt(tok, s)                          # RULER's placement by default ...
+    assert text.startswith("<user>" + s.context + s.question + "</user>")  # ... the question after the text
+    assert text.count(q) == 1
     assert text.endswith("<assistant>" + s.answer_prefix)       # the model continues the answer prefix
-    assert D.prompt_ids(tok, s) == tok.encode(text)             # no BOS for this tokenizer
+    assert prompts.prompt_ids(tok, s) == tok.encode(text)       # no BOS for this tokenizer
+    both = prompts.render_prompt(tok, s, "both")
+    assert both.startswith("<user>" + q + "\n\n" + s.context)    # the question before the context ...
+    assert (s.context + s.question + "</user>") in both          # ... and after it
+    assert both.index(q) < both.index(s.context) < both.rindex(q)
+    with pytest.raises(ValueError, match="--question"):
+        prompts.user_message(s, "before")
 
 
 def test_suites_fit_the_length(tiny):
-    plan = D.EvalPlan(lengths=[512, 640], methods=["full"], tasks=["passkey", "variable_tracking"], samples=2,
+    plan = P.EvalPlan(lengths=[512, 640], methods=["full"], tasks=["passkey", "variable_tracking"], samples=2,
                       max_new_tokens=4)
-    suites = D.build_suites(tiny.tokenizer, plan)
+    suites = prompts.build_suites(tiny.tokenizer, plan)
     for n, suite in suites.items():
         assert [s.task for s in suite] == ["passkey"] * 2 + ["variable_tracking"] * 2
         for s in suite:
-            total = len(D.prompt_ids(tiny.tokenizer, s)) + plan.max_new(s.task)
+            total = len(prompts.prompt_ids(tiny.tokenizer, s)) + plan.max_new(s.task)
             assert abs(total - n) <= 0.03 * n, (n, s.task, total)   # RULER: template + prompt + answer ~ n
-    assert D.suite_hash(suites) == D.suite_hash(D.build_suites(tiny.tokenizer, plan))  # deterministic
+    assert prompts.suite_hash(suites) == prompts.suite_hash(prompts.build_suites(tiny.tokenizer, plan))  # deterministic
+    assert prompts.suite_hash(suites, "both") != prompts.suite_hash(suites)  # the placement is part of it
+    both = dataclasses.replace(plan, question="both")
+    longer = {n: len(prompts.prompt_ids(tiny.tokenizer, s, "both")) for n, (s, *_) in
+              prompts.build_suites(tiny.tokenizer, both).items()}
+    assert all(abs(longer[n] + 4 - n) <= 0.03 * n for n in longer)  # fitted with the question stated twice
+
+
+# ------------------------------------------------------------------------------------------------ dNLL
+def _engine(tiny, settings, n=700):
+    from tailorkv.engine.generate import Engine
+    from tailorkv.engine.methods import build_cache
+    return Engine(tiny, build_cache(tiny, settings, n))
+
+
+def test_teacher_forcing_shares_the_greedy_path(tiny):
+    s = make_suite(tiny.tokenizer, 480, 1, 0, tasks=["passkey"])[0]
+    ids = prompts.prompt_ids(tiny.tokenizer, s)
+    full = MethodSettings(method="full")
+    with torch.inference_mode():
+        ref = D.greedy(_engine(tiny, full), ids, 6, own_nll=True)
+        assert len(ref["nll"]) == len(ref["picked"]) >= 1 and ref["agree"] == []
+        nll, agree = D.teacher_force(_engine(tiny, full), ids, ref["picked"])
+        assert nll == pytest.approx(ref["nll"], abs=1e-6) and all(agree)  # full's own picks, teacher-forced
+        small = MethodSettings(method="tailorkv", quant_layers=[0], budget=40, sink=4, recent=8, channels=2)
+        g = D.greedy(_engine(tiny, small), ids, 6, follow=ref["picked"])
+        tf, tf_agree = D.teacher_force(_engine(tiny, small), ids, ref["picked"])
+    k = len(g["nll"])  # the terms up to (and with) the first pick that left full's answer
+    assert 1 <= k <= len(tf) and g["nll"] == pytest.approx(tf[:k], abs=1e-6) and g["agree"] == tf_agree[:k]
+    assert (k == len(tf)) == (g["picked"][:len(tf)] == ref["picked"])
+
+
+def test_run_sample_dnll(tiny):
+    s = make_suite(tiny.tokenizer, 480, 1, 0, tasks=["passkey"])[0]
+    full = D.run_sample(tiny, MethodSettings(method="full"), s, 6)
+    ans = full["answer_ids"]
+    assert full["nll_tokens"] == len(ans) >= 1 and full["agree"] == 100.0 and "tf" not in full
+    # every layer sparse with a budget covering the context: exact, so the greedy pass is the teacher forcing
+    wide = MethodSettings(method="tailorkv", quant_layers=[], budget=800, sink=8, recent=16, channels=4)
+    r = D.run_sample(tiny, wide, s, 6, reference=ans)
+    assert r["tf"] == "shared" and r["nll"] == pytest.approx(full["nll"], abs=1e-5) and r["agree"] == 100.0
+    assert "answer_ids" not in r
+    small = MethodSettings(method="streamingllm", budget=24, sink=4, recent=8)
+    r = D.run_sample(tiny, small, s, 6, reference=ans)
+    assert r["tf"] == "separate" and r["nll_tokens"] == len(ans) and r["nll"] > full["nll"] and r["agree"] < 100
+    assert D.run_sample(tiny, small, s, 6)["nll"] is None  # no reference: nothing to score
 
 
 # ------------------------------------------------------------------------------------------------ fidelity
@@ -201,59 +226,78 @@ def test_compare_logits():
 def test_eval_json_schema_and_records(single):
     out, output = single
     res = load(os.path.join(out, "eval.json"))
-    assert res["schema"] == 1 and res["kind"] == "tailorkv-eval" and res["command"].startswith("tailorkv")
+    assert res["schema"] == 2 and res["kind"] == "tailorkv-eval" and res["command"].startswith("tailorkv")
     assert {"date", "git_commit", "torch", "gpu", "device"} <= set(res["env"]) and res["env"]["git_commit"]
     assert res["model"]["n_layers"] == 3
     e = res["eval"]
     assert e["lengths"] == [512, 640] and e["methods"] == METHODS and e["tasks"] == TASKS.split(",")
-    assert e["samples_per_task"] == 1 and e["max_new_tokens"] == {"passkey": 4, "variable_tracking": 4}
-    assert e["n_items"] == 2 * 3 * 2 + 2 * 3 and res["shard"] is None and res["complete"] is True
-    assert set(res["settings"]) == {"512", "640"}
-    for n in ("512", "640"):
-        assert set(res["settings"][n]) == set(METHODS)
-        for m, s in res["settings"][n].items():
+    assert e["question"] == "after" and e["samples_per_task"] == 1
+    assert e["max_new_tokens"] == {"passkey": 4, "variable_tracking": 4}
+    assert [g["label"] for g in e["budgets"]] == GROUPS and e["split"] == "shrink"
+    assert e["n_items"] == 2 * 2 + 2 * len(RUNS) and e["n_records"] == 2 * 2 * len(RUNS) + 2 * len(RUNS)
+    assert res["shard"] is None and res["complete"] is True
+    assert set(res["settings"]) == set(GROUPS)
+    for n, share in (("512", 61), ("640", 77)):  # 12% of the length; 8 + 16 fit in half of it
+        for m, s in res["settings"]["64"][n].items():
             assert s["method"] == m and (s["budget"], s["sink"], s["recent"], s["channels"]) == (64, 8, 16, 4)
-    assert res["layer_policies"] == {"full": ["full"] * 3, "tailorkv": ["quant", "sparse", "sparse"],
-                                     "streamingllm": ["streamingllm"] * 3}
+        assert [(s["budget"], s["sink"], s["recent"]) for s in res["settings"]["12%"][n].values()] == \
+            [(share, 8, 16)] * 3
+    policies = {"full": ["full"] * 3, "tailorkv": ["quant", "sparse", "sparse"], "streamingllm": ["streamingllm"] * 3}
+    assert res["layer_policies"] == {g: policies for g in GROUPS}
     recs = res["records"]
-    assert len(recs) == 12 and [r["index"] for r in recs] == list(range(12))
-    keys = {"index", "kind", "length", "method", "task", "sample", "prompt_hash", "n_tokens", "prompt_tokens",
-            "answers", "prediction", "score", "new_tokens", "stop", "loaded_frac", "attended_frac", "status",
-            "max_new_tokens", "prefill_s", "decode_s"}
+    assert len(recs) == 2 * 2 * len(RUNS) and [r["index"] for r in recs] == list(range(len(recs)))
+    assert [(r["budget"], r["method"]) for r in recs[:len(RUNS)]] == RUNS
+    keys = {"index", "item", "kind", "length", "budget", "method", "task", "sample", "prompt_hash", "n_tokens",
+            "prompt_tokens", "answers", "prediction", "score", "new_tokens", "stop", "loaded_frac", "attended_frac",
+            "status", "max_new_tokens", "prefill_s", "decode_s", "nll", "nll_tokens", "dnll", "agree"}
     hashes = {}
     for r in recs:
         assert keys <= set(r), keys - set(r)
         assert r["status"] == "ok" and r["kind"] == "task" and isinstance(r["prediction"], str)
         assert 0 <= r["score"] <= 100 and r["answers"] and 1 <= r["new_tokens"] <= 4
         assert r["prompt_tokens"] + 4 <= r["length"] * 1.03
-        hashes.setdefault((r["length"], r["task"], r["sample"]), set()).add(r["prompt_hash"])
+        hashes.setdefault(r["item"], set()).add(r["prompt_hash"])
+        assert r["nll_tokens"] >= 1 and math.isfinite(r["nll"]) and 0 <= r["agree"] <= 100
         if r["method"] == "full":
-            assert r["loaded_frac"] is None and r["attended_frac"] is None
-        elif r["method"] == "tailorkv":  # top-K = 64 - 8 - 16 = 40 of ~500 tokens per sparse layer
+            assert r["loaded_frac"] is None and r["attended_frac"] is None and r["budget"] is None
+            assert r["dnll"] == 0.0 and len(r["answer_ids"]) == r["nll_tokens"] and "tf" not in r
+            ref = r
+            continue
+        assert r["dnll"] == pytest.approx(r["nll"] - ref["nll"]) and r["nll_tokens"] == ref["nll_tokens"]
+        assert r["tf"] in ("shared", "separate") and r["item"] == ref["item"]
+        if r["method"] == "tailorkv":  # top-K = 64 - 8 - 16 = 40 (or 37, 53 at 12%) of ~500 tokens
             assert 0 < r["loaded_frac"] < 0.12 and r["loaded_frac"] < r["attended_frac"] < 0.2
         else:
-            assert r["loaded_frac"] is None and 0 < r["attended_frac"] <= 64 / 400
-    assert len(hashes) == 2 * 2 and all(len(h) == 1 for h in hashes.values())  # same samples for all methods
+            assert r["loaded_frac"] is None and 0 < r["attended_frac"] <= 77 / 400
+    assert len(hashes) == 2 * 2 and all(len(h) == 1 for h in hashes.values())  # same sample for all runs
     fid = res["fidelity"]
-    assert [(f["length"], f["method"]) for f in fid] == [(n, m) for n in (512, 640) for m in METHODS]
+    assert [(f["length"], f["budget"], f["method"]) for f in fid] == [(n, b, m) for n in (512, 640) for b, m in RUNS]
     for f in fid:
         assert f["status"] == "ok" and f["steps"] == 4 and 0 <= f["top1_agreement"] <= 100 and f["kl_mean"] >= 0
         if f["method"] == "full":
             assert f["top1_agreement"] == 100.0 and f["kl_mean"] == 0.0
         if f["method"] == "tailorkv":
             assert 0 < f["attn_recall"] <= 1
-    summ = res["summary"]
-    for n in ("512", "640"):
-        for m in METHODS:
-            cell = summ["per_length"][n][m]
-            assert cell["n"] == 2 and cell["failed"] == 0
-            scores = [r["score"] for r in recs if str(r["length"]) == n and r["method"] == m]
-            assert cell["tasks"] == dict(zip(TASKS.split(","), scores))
-            assert cell["average"] == pytest.approx(sum(scores) / 2)
-    assert set(summ["overall"]) == set(METHODS)
-    check_png(os.path.join(out, "eval_scores.png"))
-    check_png(os.path.join(out, "eval_fidelity.png"))
-    assert "Average" in output and "fidelity vs full" in output and "items ok" in output
+    summ = res["summary"]["budgets"]
+    assert set(summ) == set(GROUPS)
+    for g in GROUPS:
+        for n in ("512", "640"):
+            for m in METHODS:
+                cell = summ[g]["per_length"][n][m]
+                assert cell["n"] == 2 and cell["failed"] == 0
+                scores = [r["score"] for r in recs if str(r["length"]) == n and r["method"] == m
+                          and r["budget"] == (None if m == "full" else g)]
+                assert cell["tasks"] == dict(zip(TASKS.split(","), scores))
+                assert cell["average"] == pytest.approx(sum(scores) / 2) and cell["average_se"] is None  # 1/task
+                dnll = [r["dnll"] for r in recs if str(r["length"]) == n and r["method"] == m
+                        and r["budget"] == (None if m == "full" else g)]
+                assert cell["dnll"] == pytest.approx(sum(dnll) / 2) and cell["dnll_se"] is None
+        assert set(summ[g]["overall"]) == set(METHODS) and summ[g]["overall"]["full"]["diff"] == 0.0
+    assert summ["64"]["per_length"]["512"]["full"] == summ["12%"]["per_length"]["512"]["full"]
+    for name in ("eval_scores-64.png", "eval_scores-12pct.png", "eval_budgets.png", "eval_fidelity.png"):
+        check_png(os.path.join(out, name))
+    assert "Average" in output and "fidelity vs full" in output and "records ok" in output
+    assert "every budget" in output and "dNLL" in output
 
 
 def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
@@ -263,16 +307,16 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
         assert r.exit_code == 0, r.output
         part = load(os.path.join(out, f"eval.shard-{i}-of-3.json"))
         assert part["shard"] == {"index": i, "count": 3} and part["complete"] is True
-        assert all(x["index"] % 3 == i for x in part["records"] + part["fidelity"])
+        assert all(x["item"] % 3 == i for x in part["records"] + part["fidelity"])
     r = invoke("eval-merge", out)
     assert r.exit_code == 0, r.output
     merged, ref = load(os.path.join(out, "eval.json")), load(os.path.join(single[0], "eval.json"))
-    assert D.strip_timing(merged["records"]) == D.strip_timing(ref["records"])
-    assert D.strip_timing(merged["fidelity"]) == D.strip_timing(ref["fidelity"])
+    assert S.strip_timing(merged["records"]) == S.strip_timing(ref["records"])
+    assert S.strip_timing(merged["fidelity"]) == S.strip_timing(ref["fidelity"])
     for key in ("summary", "settings", "eval", "suites_hash", "complete"):
         assert merged[key] == ref[key], key
     assert len(merged["merged_from"]) == 3 and merged["shard"] is None
-    check_png(os.path.join(out, "eval_scores.png"))
+    check_png(os.path.join(out, "eval_budgets.png"))
     # a missing shard is a one-line error
     os.remove(os.path.join(out, "eval.shard-1-of-3.json"))
     r = invoke("eval-merge", out)
@@ -285,8 +329,11 @@ def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
     assert invoke(*args).exit_code == 0
     path = os.path.join(out, "eval.shard-0-of-2.json")
     whole = load(path)
-    cut = dict(whole, records=whole["records"][:2], fidelity=[], complete=False)  # as an interrupt leaves it
-    cut["records"][1] = dict(cut["records"][1], status="error", score=None)       # a failed item is redone
+    first, second = sorted({r["item"] for r in whole["records"]})[:2]
+    kept = [r for r in whole["records"] if r["item"] == first]
+    redo = [r for r in whole["records"] if r["item"] == second][:2]
+    redo[1] = dict(redo[1], status="error", score=None)                         # a failed item is redone whole
+    cut = dict(whole, records=kept + redo, fidelity=[], complete=False)         # as an interrupt leaves it
     with open(path, "w") as f:
         json.dump(cut, f)
     r = invoke(*args, "--resume")
@@ -294,8 +341,8 @@ def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
     assert "1 items done" in r.output
     res = load(path)
     assert res["complete"] is True
-    assert D.strip_timing(res["records"]) == D.strip_timing(whole["records"])
-    assert D.strip_timing(res["fidelity"]) == D.strip_timing(whole["fidelity"])
+    assert S.strip_timing(res["records"]) == S.strip_timing(whole["records"])
+    assert S.strip_timing(res["fidelity"]) == S.strip_timing(whole["fidelity"])
     assert res["records"][0]["wall_s"] == whole["records"][0]["wall_s"]  # kept, not run again
     # another run's file is refused in one line, and left as it was
     r = invoke(*args, "--resume", "--seed", "5")
@@ -318,7 +365,7 @@ def test_ctrl_c_saves_the_finished_items(tiny_dir, tmp_path, monkeypatch):
     r = invoke(*args)
     assert r.exit_code == 1 and "interrupted: 2 items saved" in r.output and "--resume" in r.output
     saved = load(os.path.join(out, "eval.json"))
-    assert saved["complete"] is False and [x["index"] for x in saved["records"]] == [0, 1]
+    assert saved["complete"] is False and [x["item"] for x in saved["records"]] == [0] * len(RUNS) + [1] * len(RUNS)
     monkeypatch.setattr(D, "run_item", real)
     r = invoke(*args, "--resume")
     assert r.exit_code == 0, r.output
@@ -332,13 +379,32 @@ def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
     assert r.exit_code == 0, r.output
     res = load(os.path.join(out, "eval.json"))
     assert res["records"] == [] and len(res["fidelity"]) == 4 and res["complete"] is True
-    s = res["settings"]
+    s = res["settings"]["20%"]
     assert (s["256"]["snapkv"]["budget"], s["256"]["snapkv"]["sink"], s["256"]["snapkv"]["recent"]) == (51, 12, 13)
     assert s["256"]["snapkv"]["snap_window"] == 25 and s["320"]["quest"]["budget"] == 64
-    assert res["eval"]["budget_frac"] == 0.2
+    assert res["eval"]["budgets"] == [{"label": "20%", "kind": "frac", "frac": 0.2, "tokens": None}]
+    assert {f["budget"] for f in res["fidelity"]} == {"20%"}
     check_png(os.path.join(out, "eval_fidelity.png"))
     assert not os.path.exists(os.path.join(out, "eval_scores.png"))
+    assert not os.path.exists(os.path.join(out, "eval_budgets.png"))
     assert "fidelity vs full" in r.output
+
+
+def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
+    out = str(tmp_path / "paper")
+    r = invoke("eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "512", "--samples", "1", "--tasks",
+               "passkey", "--max-new-tokens", "2", "--methods", "full,snapkv,quest", "--budgets", "64", "--sink", "8",
+               "--recent", "16", "--protocol", "paper", "--out", out)
+    assert r.exit_code == 0, r.output
+    res = load(os.path.join(out, "eval.json"))
+    assert res["eval"]["protocol"] == "paper" and "dense" in res["eval"]["protocol_convention"]
+    assert res["layer_policies"]["64"] == {"full": ["full"] * 3, "snapkv": ["full", "snapkv", "snapkv"],
+                                           "quest": ["full", "full", "quest"]}
+    s = res["settings"]["64"]["512"]
+    assert s["quest"]["dense_layers"] == [0, 1] and s["snapkv"]["free_generated"] is True
+    assert all(x["status"] == "ok" for x in res["records"]) and len(res["records"]) == 3
+    for w in res["warnings"]:  # until quest's policy honors free_generated, the run says so
+        assert w.startswith("quest does not implement free_generated") and w in r.output
 
 
 @pytest.mark.parametrize("args, message", [
@@ -350,7 +416,13 @@ def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
     (["--resume"], "--resume needs --out"),
     (["--tasks", "nope"], "unknown task 'nope'"),
     (["--methods", "tailorkv", "--quant-layers", "7"], "out of range"),
-    (["--methods", "snapkv", "--budget", "30", "--sink", "4", "--recent", "4"], "observation window"),
+    (["--methods", "snapkv", "--budget", "30", "--sink", "4", "--recent", "4", "--protocol", "legacy"],
+     "observation window"),
+    (["--budgets", "3%,abc"], "--budgets 'abc' is not a budget"),
+    (["--budgets", "150%"], "must be in (0, 100%]"),
+    (["--budgets", "3%", "--budget-frac", "0.03"], "--budgets and --budget-frac both given"),
+    (["--budget-frac", "2"], "--budget-frac must be in (0, 1]"),
+    (["--methods", "quest", "--budgets", "8"], "quest at length 512 budget 8"),
 ])
 def test_errors_are_one_line(tiny_dir, args, message, tmp_path):
     base = ["eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "512", "--samples", "1",

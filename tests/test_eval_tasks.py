@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from tailorkv.engine.evaluation import TASKS, make_suite, score, string_match_all, string_match_part
-from tailorkv.engine.evaluation.haystack import WordPool, essay_units
+from tailorkv.engine.evaluation.haystack import Filler, WordPool, essay_units
 
 
 class WordTokenizer:
@@ -215,10 +215,45 @@ def test_word_pool_is_deterministic_and_unique():
     assert len(set(a)) == 500 and len({len(w) for w in a}) == 1
 
 
-def test_essay_has_no_digits_and_enough_words():
-    text = "".join(essay_units())
+def test_essay_has_no_digits_and_no_repeated_sentence():
+    units = essay_units()
+    text = "".join(units)
     assert not re.search(r"\d", text)
-    assert 3000 <= len(text.split()) <= 6000
+    assert len(text.split()) >= 13000
+    sentences = [u.strip() for u in units]
+    assert len(set(sentences)) == len(sentences), [s for s, c in Counter(sentences).items() if c > 1][:3]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok():
+    from helpers import smollm2_gguf_or_skip
+    from tailorkv.models.gguf import gguf_tokenizer
+    return gguf_tokenizer(smollm2_gguf_or_skip())
+
+
+def _sentences(text):
+    from tailorkv.engine.evaluation.haystack import split_sentences
+    return [s for s in split_sentences(" ".join(text.split())) if len(s.split()) > 3]
+
+
+def test_essay_is_16k_smollm2_tokens_and_8k_texts_never_repeat(smollm2_tok):
+    """The corpus holds >= 16k tokens, so any 8k stretch of the (cycled) essay stream, from any start, holds
+    each sentence at most once; checked on a real 8k haystack and on the 8k fidelity text."""
+    from tailorkv.engine.evaluation.fidelity import fidelity_ids
+    tok = smollm2_tok
+    assert sum(len(tok.encode(u)) for u in essay_units()) >= 16 * 1024
+    s = _gen("niah_multikey", tok, 8192, seed=1)
+    body = _sentences(s.context.split("\n\n", 1)[1])
+    assert len(body) > 300 and len(set(body)) == len(body)
+    # the worst start: the last paragraph, so the stream wraps around to the corpus' beginning
+    units = essay_units()
+    last = max(i + 1 for i, u in enumerate(units[:-1]) if u.endswith("\n\n"))
+    wrapped = "".join(Filler(units, last).take(7500))
+    assert len(tok.encode(wrapped)) >= 8192
+    body = _sentences(wrapped)
+    assert len(set(body)) == len(body)
+    text = _sentences(tok.decode(fidelity_ids(tok, 8192)))
+    assert len(text) > 300 and len(set(text)) == len(text)
 
 
 # ------------------------------------------------------------------------------------------ scoring (RULER)

@@ -28,3 +28,36 @@ def test_flag_overrides_and_range_check():
     with pytest.raises(ValueError, match="out of range"):
         methods.layer_policies(MethodSettings("tailorkv", quant_layers=[5]), 3, fam)
     assert methods.layer_policies(MethodSettings("quest"), 2, fam) == ["quest", "quest"]
+
+
+def test_dense_layers_use_the_full_policy():
+    fam = {"name": "smollm2-135m", "profile": "profiles/smollm2-135m.json"}
+    assert methods.layer_policies(MethodSettings("quest", dense_layers=[0, 1]), 3, fam) == ["full", "full", "quest"]
+    s = MethodSettings("tailorkv", quant_layers=[0], dense_layers=[2])
+    assert methods.layer_policies(s, 3, fam) == ["quant", "sparse", "full"]
+    assert methods.layer_policies(MethodSettings("snapkv", dense_layers=[]), 2, fam) == ["snapkv", "snapkv"]
+    with pytest.raises(ValueError, match=r"dense layers \[3\] out of range"):
+        methods.layer_policies(MethodSettings("snapkv", dense_layers=[0, 3]), 3, fam)
+    with pytest.raises(ValueError, match="layer numbers >= 0"):
+        MethodSettings("snapkv", dense_layers=[-1]).validate()
+
+
+def test_selection_rules_are_settings_and_options():
+    from click.testing import CliRunner
+    from tailorkv.cli import main
+    from tailorkv.engine.ui import settings_from
+    d = MethodSettings()
+    assert (d.select_rule, d.channel_rule) == ("lse", "paper") and d.combine_rule == "lse"
+    assert MethodSettings(select_rule="paper").combine_rule == "sum"
+    s = settings_from("tailorkv", "2", 61, 15, 15, 12, None, "psum", "max")
+    assert (s.select_rule, s.channel_rule, s.combine_rule) == ("psum", "max", "psum")
+    assert settings_from("tailorkv", "2", 61, 15, 15, 12, None).select_rule == d.select_rule
+    with pytest.raises(ValueError, match="--select-rule sum: use paper, lse, psum"):
+        MethodSettings(select_rule="sum").validate()
+    with pytest.raises(ValueError, match="--channel-rule mean: use paper, max, l2"):
+        MethodSettings(channel_rule="mean").validate()
+    for cmd in ("run", "bench", "eval"):
+        out = CliRunner().invoke(main, [cmd, "--help"]).output
+        assert "--select-rule [paper|lse|psum]" in out and "--channel-rule [paper|max|l2]" in out, cmd
+    r = CliRunner().invoke(main, ["run", "--select-rule", "sum", "-p", "hi"])
+    assert r.exit_code == 2 and "'sum' is not one of 'paper', 'lse', 'psum'" in r.output

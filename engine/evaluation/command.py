@@ -2,7 +2,7 @@
 fidelity (teacher-forced comparison with full) and report (tables, PNGs). ui.py calls register(main).
 
     tailorkv eval --model smollm2-135m --methods full,tailorkv,streamingllm,snapkv,quest \\
-        --lengths 2k,4k,8k --samples 10 --budget-frac 0.03 --out eval/results/smollm2
+        --lengths 2k,4k,8k --samples 20 --budgets 1%,3%,6%,12%,25%,1024 --out eval/results/smollm2
     # the same work split over 4 processes, then merged:
     for i in 0 1 2 3; do tailorkv eval ... --out DIR --shard $i/4 & done; wait; tailorkv eval-merge DIR
 """
@@ -34,9 +34,12 @@ def _console():
 
 
 def show(res: dict, con=None) -> None:
-    from tailorkv.engine.evaluation.report import fidelity_table, score_tables, title_line
+    from tailorkv.engine.evaluation.labels import title_line
+    from tailorkv.engine.evaluation.report import fidelity_table, score_tables
     con = con or _console()
     con.print(f"[bold]{escape(title_line(res))}[/]")
+    for w in res.get("warnings") or []:
+        con.print(f"[yellow]warning: {escape(w)}[/]")
     for t in score_tables(res):
         con.print(t)
     ft = fidelity_table(res)
@@ -59,9 +62,21 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--samples", type=int, default=5, show_default=True, help="samples per task and length (0: none)")
     @click.option("--tasks", default=None, help=f"comma-separated (default all): {', '.join(TASKS)}")
     @click.option("--seed", type=int, default=0, show_default=True, help="seed of the generated samples")
+    @click.option("--budgets", default=None,
+                  help="budget groups: shares of the length and/or tokens, e.g. 1%,3%,6%,12%,25%,1024 (192 and 1024 "
+                       "bring the paper's sink/top-K/recent split and r)")
     @click.option("--budget-frac", type=float, default=None,
-                  help="budget = round(F x length) per length (e.g. 0.03); sink + recent shrink to fit half")
+                  help="one budget group, round(F x length) per length (e.g. 0.03): --budgets with one share")
+    @click.option("--split", type=click.Choice(["shrink", "paper"]), default="shrink", show_default=True,
+                  help="sink and recent inside a share or token budget: --sink/--recent shrunk to fit half "
+                       "(shrink), or budget/16 each (paper)")
+    @click.option("--protocol", type=click.Choice(["plain", "paper", "legacy"]), default="plain", show_default=True,
+                  help="what budgets count: plain (the same prompt tokens for every method, generated tokens on "
+                       "top), paper (plain + the paper's dense layers for baselines: 0; quest 0-1), legacy "
+                       "(this engine's first eval)")
     @click.option("--max-new-tokens", type=int, default=None, help="greedy tokens per answer (default: per task)")
+    @click.option("--question", type=click.Choice(["after", "both"]), default="after", show_default=True,
+                  help="where the question goes: after the long text (RULER) or before and after it")
     @click.option("--fidelity-tokens", type=int, default=0, show_default=True,
                   help="also compare each method with full over N teacher-forced tokens of essay text (0: off)")
     @click.option("--out", type=click.Path(file_okay=False), default=None,
@@ -70,12 +85,10 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--resume", is_flag=True, help="keep the finished items of an interrupted run in --out and do "
                                                   "the rest (same command otherwise)")
     @ui.friendly
-    def eval_cmd(model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
-                 budget_frac, max_new_tokens, fidelity_tokens, out, shard, resume, **knobs):
+    def eval_cmd(**kw):
         """Long-context accuracy of every method against the full cache (eval.json + tables + PNG)."""
-        run_eval(click.get_current_context().params, model, weights, random_weights, device, dtype, methods,
-                 lengths, samples, tasks, seed, budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs,
-                 resume)
+        knobs = {k: kw.pop(k) for k in list(kw) if k not in EVAL_OPTIONS}
+        run_eval(click.get_current_context().params, knobs, **kw)
 
     # --methods replaces method_options' single --method; its other knobs (--budget, --bits, ...) stay
     eval_cmd.params = [p for p in eval_cmd.params if p.name != "method"]
@@ -91,62 +104,88 @@ def register(main: click.Group) -> list[click.Command]:
     return [eval_cmd, eval_merge]
 
 
-def run_eval(params, model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
-             budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs, resume=False):
+def make_plan(knobs: dict, methods, lengths, samples, tasks, seed, budgets, budget_frac, split, protocol,
+              max_new_tokens, question, fidelity_tokens):
+    """The EvalPlan of the command's options (ValueError naming the option when one is wrong)."""
+    from tailorkv.engine import ui
+    from tailorkv.engine.evaluation import budgets as B, plan as P
+    if budgets is not None and budget_frac is not None:
+        raise ValueError("--budgets and --budget-frac both given: use one (--budgets 3% is --budget-frac 0.03)")
+    groups = B.parse_budgets(budgets) if budgets is not None else None
+    if budget_frac is not None:
+        if not 0 < budget_frac <= 1:
+            raise ValueError(f"--budget-frac must be in (0, 1], got {budget_frac}")
+        groups = [B.Budget(f"{budget_frac * 100:g}%", frac=budget_frac)]
+    plan = P.EvalPlan(lengths=P.parse_lengths(lengths), methods=P.parse_methods(methods), tasks=P.parse_tasks(tasks),
+                      samples=samples, seed=seed, base=ui.settings_from(method="full", **knobs), budgets=groups,
+                      split=split, protocol=protocol, max_new_tokens=max_new_tokens,
+                      fidelity_tokens=fidelity_tokens, question=question)
+    plan.validate()
+    return plan
+
+
+EVAL_OPTIONS = ("model", "weights", "random_weights", "device", "dtype", "methods", "lengths", "samples", "tasks",
+                "seed", "budgets", "budget_frac", "split", "protocol", "max_new_tokens", "question",
+                "fidelity_tokens", "out", "shard", "resume")
+
+
+def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, device, dtype, out, shard, resume,
+             **options):
+    """`options`: make_plan's keyword arguments; `knobs`: method_options' (the settings every method shares)."""
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
     from tailorkv.engine import results as R, ui
     from tailorkv.engine.bench.driver import model_info
-    from tailorkv.engine.evaluation import driver as D
+    from tailorkv.engine.evaluation import driver as D, merge as M, plan as P, prompts, summary as S
     from tailorkv.engine.evaluation.report import write_outputs
     from tailorkv.engine.methods import layer_policies
 
-    plan = D.EvalPlan(lengths=D.parse_lengths(lengths), methods=D.parse_methods(methods), tasks=D.parse_tasks(tasks),
-                      samples=samples, seed=seed, base=ui.settings_from(method="full", **knobs),
-                      budget_frac=budget_frac, max_new_tokens=max_new_tokens, fidelity_tokens=fidelity_tokens)
-    plan.validate()
-    shard_t = D.parse_shard(shard)
+    plan = make_plan(knobs, **options)
+    shard_t = P.parse_shard(shard)
     if shard_t is not None and not out:
         raise ui.UserError("--shard needs --out DIR: every shard of a run writes into the same folder")
     if resume and not out:
         raise ui.UserError("--resume needs --out DIR: the folder of the run to finish")
     dev = ui.pick_device(device)
-    torch.manual_seed(seed)
+    torch.manual_seed(plan.seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev))
     too_long = [n for n in plan.lengths if n > loaded.cfg.max_context]
     if too_long:
         raise ui.UserError(f"--lengths {too_long[0]} is beyond what {loaded.name} supports "
                             f"({loaded.cfg.max_context} tokens): lower --lengths")
-    D.check_methods(loaded, plan)
+    warnings = D.check_methods(loaded, plan)
+    for w in warnings:
+        ui.err.print(f"[yellow]warning: {escape(w)}[/]")
 
-    items = D.shard_items(plan.items(), shard_t)
+    items = P.shard_items(plan.items(), shard_t)
     out = out or default_out_dir(loaded.name if not os.path.exists(model) else model)
-    name = "eval.json" if shard_t is None else D.shard_filename(*shard_t)
+    name = "eval.json" if shard_t is None else P.shard_filename(*shard_t)
     json_path = os.path.join(out, name)
     con = _console()
     with con.status("generating the samples"):  # every length, even in a shard: the hash checks the merge
-        suites = D.build_suites(loaded.tokenizer, plan)
-    policies = {m: layer_policies(plan.settings(m, plan.lengths[0]), loaded.cfg.n_layers, loaded.family)
-                for m in plan.methods}
+        suites = prompts.build_suites(loaded.tokenizer, plan)
+    policies = {b.label: {m: layer_policies(plan.settings(m, plan.lengths[0], b.label), loaded.cfg.n_layers,
+                                            loaded.family) for m in plan.methods} for b in plan.budgets}
     common = dict(command=R.command_line(), args=dict(params), env=R.environment(dev), model=model_info(loaded),
-                  plan=plan, shard=shard_t, suites_hash=D.suite_hash(suites), layer_policies=policies)
+                  plan=plan, shard=shard_t, suites_hash=prompts.suite_hash(suites, plan.question),
+                  layer_policies=policies, warnings=warnings)
     records: list[dict] = []
     if resume and os.path.exists(json_path):
         try:
-            prev = D.read_json(json_path)
+            prev = M.read_json(json_path)
         except ValueError as e:
             raise ui.UserError(f"{json_path} is not valid JSON ({e}): rerun without --resume") from None
-        records = D.resumable_records(prev, D.results(records=[], **common), json_path)
-        done = {r["index"] for r in records}
+        records = M.resumable_records(prev, S.results(records=[], **common), json_path, plan)
+        done = {r["item"] for r in records}
         items = [it for it in items if it["index"] not in done]
         con.print(f"resuming {json_path}: {len(done)} items done, {len(items)} to go")
     last_save = [0.0]
 
     def save(force: bool = False):  # partial results survive an interrupt; at most every SAVE_EVERY_S seconds
         if force or time.monotonic() - last_save[0] >= SAVE_EVERY_S:
-            R.write_json(json_path, D.results(records=records, **common))
+            R.write_json(json_path, S.results(records=records, **common))
             last_save[0] = time.monotonic()
 
     texts: dict = {}
@@ -156,9 +195,10 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
         run_items(items, loaded, plan, suites, texts, records, bar, save)
     except KeyboardInterrupt:
         save(force=True)
-        raise ui.UserError(f"interrupted: {len(records)} items saved in {json_path}; run the same command "
+        n_items = len({r["item"] for r in records})
+        raise ui.UserError(f"interrupted: {n_items} items saved in {json_path}; run the same command "
                             f"with --resume to finish") from None
-    res = D.results(records=records, **common)
+    res = S.results(records=records, **common)
     if shard_t is None:
         paths = write_outputs(res, out)
     else:
@@ -167,32 +207,34 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     show(res, con)
     for r in records:
         if r["status"] != "ok":
-            ui.err.print(f"[red]{D.length_label(r['length'])} {r['method']} {r.get('task', 'fidelity')}: "
+            at = "" if r["budget"] is None else f" @ {r['budget']}"
+            ui.err.print(f"[red]{P.length_label(r['length'])} {r['method']}{at} {r.get('task', 'fidelity')}: "
                           f"{r['status'].upper()}[/] {escape(r['error'] or '')}")
     ok = sum(r["status"] == "ok" for r in records)
-    con.print(f"{ok}/{len(records)} items ok; results in {', '.join(paths)}"
+    con.print(f"{ok}/{len(records)} records ok; results in {', '.join(paths)}"
               + (f" (shard {shard_t[0]} of {shard_t[1]}: merge with `tailorkv eval-merge {out}`)" if shard_t else ""))
 
 
 def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
-    """Runs the items in order under the progress bar, appending each record and saving as it goes."""
+    """Runs the items in order under the progress bar, appending their records and saving as it goes."""
     from tailorkv.engine.evaluation import driver as D
+    from tailorkv.engine.evaluation.plan import length_label
     with bar:
         task = bar.add_task("eval", total=len(items))
         for it in items:
-            what = (f"{D.length_label(it['length'])} {it['method']} "
-                    + (f"{it['task']} #{it['sample']}" if it["kind"] == "task" else "fidelity"))
+            what = length_label(it["length"]) + " " + (f"{it['task']} #{it['sample']}" if it["kind"] == "task" else
+                                                       f"fidelity {it['method']}")
             bar.update(task, description=what)
-            rec = D.run_item(loaded, plan, it, suites, texts,
-                             on_phase=lambda s, w=what: bar.update(task, description=f"{w}: {s}"))
-            records.append(rec)
-            save(force=rec["status"] != "ok")
+            recs = D.run_item(loaded, plan, it, suites, texts,
+                              on_phase=lambda s, w=what: bar.update(task, description=f"{w}: {s}"))
+            records.extend(recs)
+            save(force=any(r["status"] != "ok" for r in recs))
             bar.advance(task)
 
 
 def run_merge(folder: str, out: str | None) -> None:
     from tailorkv.engine import ui
-    from tailorkv.engine.evaluation import driver as D
+    from tailorkv.engine.evaluation import merge as M
     from tailorkv.engine.evaluation.report import write_outputs
 
     if not os.path.isdir(folder):
@@ -204,10 +246,10 @@ def run_merge(folder: str, out: str | None) -> None:
     shards = []
     for f in files:
         try:
-            shards.append((os.path.basename(f), D.read_json(f)))
+            shards.append((os.path.basename(f), M.read_json(f)))
         except ValueError as e:
             raise ui.UserError(f"{f} is not valid JSON ({e}): rerun that shard") from None
-    res, warnings = D.merge_shards(shards)
+    res, warnings = M.merge_shards(shards)
     for w in warnings:
         ui.err.print(f"[yellow]{escape(w)}[/]")
     paths = write_outputs(res, out or folder)

@@ -3,7 +3,9 @@
 Two filler sources, both cut into "units" (one sentence each, carrying its own trailing separator):
 - ``noise``: RULER's repeated-sentence noise, "The grass is green. The sky is blue. ..." cycled forever.
 - ``essay``: ``essays.txt`` next to this module: original prose on mundane topics written for this project
-  (no digits in it, so it never collides with a needle value), cycled when a prompt needs more.
+  (no digits in it, so it never collides with a needle value; no sentence twice). It holds ~17k SmolLM2
+  tokens, so a stretch of up to 16k tokens from any start (the stream wraps from its end to its beginning)
+  never repeats a sentence; longer prompts cycle it.
 
 ``Filler.take(n_words)`` returns the first ``n_words`` words of the endless stream as units (the last unit
 cut short when the count ends inside a sentence); the tasks fit prompt lengths by searching on ``n_words``.

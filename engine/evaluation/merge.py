@@ -1,0 +1,84 @@
+"""Putting shard files back together (`tailorkv eval-merge`) and picking up an interrupted run (`--resume`)."""
+from __future__ import annotations
+
+import json
+
+from tailorkv.engine.evaluation.plan import EvalPlan
+from tailorkv.engine.evaluation.summary import results
+
+SAME_KEYS = ("schema", "kind", "eval", "settings", "layer_policies", "suites_hash")
+
+
+def merge_shards(shards: list[tuple[str, dict]]) -> tuple[dict, list[str]]:
+    """[(file name, shard results)] -> (merged results, warnings). Raises ValueError when the shards do not
+    belong to one plan, overlap, or leave items out."""
+    if not shards:
+        raise ValueError("no eval.shard-*-of-*.json files to merge")
+    name0, first = shards[0]
+    count = first["shard"]["count"] if first.get("shard") else None
+    if count is None:
+        raise ValueError(f"{name0} is not a shard file (no 'shard' entry)")
+    warnings: list[str] = []
+    for name, res in shards[1:]:
+        for key in SAME_KEYS:
+            if res.get(key) != first.get(key):
+                raise ValueError(f"{name} and {name0} differ in '{key}': they are not shards of one run")
+        if (res.get("model") or {}).get("name") != (first.get("model") or {}).get("name"):
+            raise ValueError(f"{name} and {name0} ran different models")
+        if res["shard"]["count"] != count:
+            raise ValueError(f"{name} is one of {res['shard']['count']} shards, {name0} one of {count}")
+    got = sorted(res["shard"]["index"] for _, res in shards)
+    if len(set(got)) != len(got):
+        raise ValueError(f"shard numbers repeat: {got}")
+    missing = sorted(set(range(count)) - set(got))
+    if missing:
+        raise ValueError(f"shards {missing} of {count} are missing: run them (--shard i/{count}) first")
+    plan = EvalPlan.from_dict(first["eval"])
+    records, seen = [], {}
+    for name, res in shards:
+        for r in res["records"] + res["fidelity"]:
+            if r["index"] in seen:
+                raise ValueError(f"record {r['index']} (item {r['item']}) appears in {seen[r['index']]} and {name}")
+            seen[r["index"]] = name
+            records.append(r)
+    keys = plan.record_keys()
+    left = sorted(set(range(len(keys))) - set(seen))
+    if left:
+        raise ValueError(f"{len(left)} records have no result (first: item {keys[left[0]][0]}): a shard did not "
+                         f"finish; rerun it")
+    commits = {res["env"].get("git_commit") for _, res in shards}
+    if len(commits) > 1:
+        warnings.append(f"the shards ran at different commits: {sorted(map(str, commits))}")
+    merged = results(command=first["command"], args=first["args"], env=first["env"], model=first["model"],
+                     plan=plan, shard=None, records=records, suites_hash=first.get("suites_hash"),
+                     layer_policies=first.get("layer_policies"), warnings=first.get("warnings"),
+                     merged_from=[{"file": name, "command": res["command"], "date": res["env"].get("date"),
+                                   "git_commit": res["env"].get("git_commit")} for name, res in shards])
+    return merged, warnings
+
+
+def resumable_records(prev: dict, fresh: dict, name: str, plan: EvalPlan) -> list[dict]:
+    """The records of the finished items of an earlier results file `prev` of the same run as `fresh` (an empty
+    results dict of the run about to start): items whose every record is there and 'ok' (an item with a
+    failed or missing record runs again whole). ValueError when `prev` belongs to another run."""
+    fresh = json.loads(json.dumps(fresh, default=str))  # tuples -> lists, as read back from a file
+    for key in SAME_KEYS + ("shard",):
+        if prev.get(key) != fresh.get(key):
+            raise ValueError(f"--resume: {name} holds another run (its '{key}' differs): use the command that "
+                             f"wrote it, or another --out")
+    if (prev.get("model") or {}).get("name") != (fresh.get("model") or {}).get("name"):
+        raise ValueError(f"--resume: {name} ran another model: use another --out")
+    want: dict = {}
+    for i, key in enumerate(plan.record_keys()):
+        want.setdefault(key[0], set()).add(i)
+    by_item: dict = {}
+    for r in prev["records"] + prev["fidelity"]:
+        by_item.setdefault(r["item"], []).append(r)
+    return [r for item, rs in by_item.items() if {r["index"] for r in rs} == want.get(item)
+            and all(r["status"] == "ok" for r in rs) for r in rs]
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+

@@ -1,0 +1,72 @@
+"""The prompts `tailorkv eval` feeds: the user message (question placement), the chat template, the answer prefix,
+and the samples of every length fitted so that template + prompt + answer fit in the length (RULER).
+
+- The user message is ``context + question`` (``after``, RULER's placement: the question starts with a blank
+  line) or ``question.strip() + "\\n\\n" + context + question`` (``both``: before and after the long text).
+- It is rendered with the model's chat template, then the sample's answer_prefix is appended to the assistant
+  turn, so the model continues e.g. "The pass key is ...". BOS is prepended only when the tokenizer wants one
+  and the template does not write it (as engine.chat.ChatSession does).
+- Each task's text is fitted to L - max_new - overhead, where overhead (template, the question stated first,
+  the answer prefix) is measured on a probe sample of that task at that length.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+from tailorkv.engine.evaluation.tasks import Sample, make_suite
+from tailorkv.models.tokenizer import bos_prefix
+
+
+def user_message(sample: Sample, question: str = "after") -> str:
+    """The long text and the question: after it (RULER), or before and after it ('both')."""
+    if question == "after":
+        return sample.context + sample.question
+    if question == "both":
+        return sample.question.strip() + "\n\n" + sample.context + sample.question
+    raise ValueError(f"--question {question}: use after or both")
+
+
+def render_prompt(tokenizer, sample: Sample, question: str = "after") -> str:
+    """Chat-templated user message, then the answer prefix at the start of the assistant turn."""
+    msg = [{"role": "user", "content": user_message(sample, question)}]
+    if hasattr(tokenizer, "apply_chat_template"):
+        text = tokenizer.apply_chat_template(msg, add_generation_prompt=True)
+    else:  # a bare test tokenizer
+        text = f"user: {msg[0]['content']}\nassistant: "
+    return text + sample.answer_prefix
+
+
+def prompt_ids(tokenizer, sample: Sample, question: str = "after") -> list[int]:
+    return bos_prefix(tokenizer) + tokenizer.encode(render_prompt(tokenizer, sample, question))
+
+
+def build_suites(tokenizer, plan, lengths: Iterable[int] | None = None) -> dict[int, list[Sample]]:
+    """The samples of each length, identical for every method: per task, the text is fitted so that the
+    rendered prompt plus the task's max new tokens fit in the length (overhead measured on a probe sample).
+    The suite is ordered like make_suite's: tasks in plan order, samples_per_task each."""
+    out: dict[int, list[Sample]] = {}
+    if not plan.samples:
+        return out
+    for n in (plan.lengths if lengths is None else lengths):
+        suite: list[Sample] = []
+        for task in plan.tasks:
+            room = n - plan.max_new(task)
+            probe = make_suite(tokenizer, room, 1, plan.seed, tasks=[task])[0]
+            overhead = len(prompt_ids(tokenizer, probe, plan.question)) - probe.n_tokens
+            target = room - overhead
+            if target < 16:
+                raise ValueError(f"--lengths {n} leaves no room for {task}: the prompt template and "
+                                 f"{plan.max_new(task)} new tokens need more; use a longer length")
+            suite += make_suite(tokenizer, target, plan.samples, plan.seed, tasks=[task])
+        out[n] = suite
+    return out
+
+
+def suite_hash(suites: dict[int, list[Sample]], question: str = "after") -> str:
+    """Identifies the prompts: every sample's text and the question placement."""
+    h = hashlib.sha256(f"question={question};".encode())
+    for n in sorted(suites):
+        for s in suites[n]:
+            h.update(f"{n}:{s.task}:{s.prompt_hash};".encode())
+    return h.hexdigest()[:16]
