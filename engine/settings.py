@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, asdict
 
 METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
+SELECT_MODES = ("channels", "sketch")   # where a sparse layer's approximate scores come from
 SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
 CHANNEL_RULES = ("paper", "max", "l2")   # how the r channels per KV head are chosen (ops/sparse_select.py)
 
@@ -22,6 +23,9 @@ class MethodSettings:
     #                            lse / psum = logsumexp of their logits / sum of their softmax probabilities
     channel_rule: str = "paper"  # CHANNEL_RULES: paper = |group mean of q_hat| x max|K|; max = max over the
     #                              group of |q_hat_h| x max|K|; l2 = the group's L2 norm of q_hat x max|K|
+    select: str = "channels"   # SELECT_MODES: channels = the paper's r channels of K^T fetched from host memory;
+    #                            sketch = a low-bit copy of the middle's keys on the device scores every channel
+    sketch_bits: int = 2       # bits of the sketch (1 or 2)
     quant_layers: list[int] | None = None  # None: from the model's profile
     page: int = 16           # quest page size
     snap_window: int = 32    # snapkv observation window (last prompt queries)
@@ -51,6 +55,10 @@ class MethodSettings:
             raise ValueError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}")
         if self.channels < 1:
             raise ValueError("--channels must be at least 1")
+        if self.select not in SELECT_MODES:
+            raise ValueError(f"--select {self.select}: use {', '.join(SELECT_MODES)}")
+        if self.sketch_bits not in (1, 2):
+            raise ValueError(f"--sketch-bits must be 1 or 2, got {self.sketch_bits}")
         if self.select_rule not in SELECT_RULES:
             raise ValueError(f"--select-rule {self.select_rule}: use {', '.join(SELECT_RULES)}")
         if self.channel_rule not in CHANNEL_RULES:

@@ -10,10 +10,14 @@ from __future__ import annotations
 import torch
 
 from tailorkv.ops.host_gather import gather_rows
-from tailorkv.ops.sparse_select import approx_scores, channel_scores, topk_channels, topk_tokens
+from tailorkv.ops.attention import softmax_scale
+from tailorkv.ops.sparse_select import (approx_scores, channel_scores, combine_heads, head_scores, topk_channels,
+                                       topk_tokens)
 
 
 class TokenSelector:
+    fetches_ahead = False  # True: prefetch() has work to start on the copy stream from the predicted query
+
     def prefetch(self, layer, q_sel: torch.Tensor) -> None:
         """What can be fetched before the layer's own query exists, from q_sel (its prediction, or the query
         itself): runs on the copy stream while the layer before computes."""
@@ -41,16 +45,19 @@ class ChannelSelector(TokenSelector):
         lo, n, k = layer.sink, layer.middle_bucket, layer.topk
         dev = q.device
         if layer.middle_whole:
-            pos = torch.arange(lo, lo + k, device=dev).clamp_max(layer.spec.max_len - 1)
-            return pos.expand(q.shape[0], layer.spec.n_kv_heads, k)
+            return layer.whole_middle(q)
         chans, rows = layer.buffer("channels"), layer.buffer("kt_rows")
-        scores = approx_scores(q, rows, chans, out=layer.buffer("scores"))
-        scores = scores.masked_fill(torch.arange(lo, lo + n, device=dev) >= layer.tail_start_dev, float("-inf"))
+        past = torch.arange(lo, lo + n, device=dev) >= layer.tail_start_dev
+        if self.rule == "sum":  # the paper's: one fused kernel sums the group's logits
+            scores = approx_scores(q, rows, chans, out=layer.buffer("scores")).masked_fill(past, float("-inf"))
+        else:
+            logits = head_scores(q, rows, chans).masked_fill(past, float("-inf"))
+            scores = combine_heads(logits, layer.spec.n_kv_heads, self.rule, softmax_scale(q.shape[-1]))
         return topk_tokens(scores, k) + lo
 
     def channels(self, layer, q_sel):
         """The r channels per KV head [B, Hkv, r] whose K^T rows are fetched, from the query q_sel."""
-        return topk_channels(channel_scores(q_sel, layer.kmax), layer.r)
+        return topk_channels(channel_scores(q_sel, layer.kmax, self.channel_rule), layer.r)
 
 
 class ObservedSelector(TokenSelector):
@@ -58,6 +65,10 @@ class ObservedSelector(TokenSelector):
 
     def __init__(self, inner: TokenSelector, observe):
         self.inner, self.observe = inner, observe
+
+    @property
+    def fetches_ahead(self):
+        return self.inner.fetches_ahead
 
     def prefetch(self, layer, q_sel):
         self.inner.prefetch(layer, q_sel)

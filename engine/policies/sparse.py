@@ -28,11 +28,11 @@ import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.engine.policies.selection import ChannelSelector
+from tailorkv.engine.policies.sketch import KeySketch, SketchSelector
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.engine.step import fine_bucket
-from tailorkv.ops.attention import causal_attention, decode_attention
+from tailorkv.ops.attention import causal_attention, sparse_decode_attention
 from tailorkv.ops.host_copy import host_copy
-from tailorkv.ops.host_gather import gather_rows
 
 FLUSH = 128  # generated tokens the tail may hold beyond `recent` before they move to the host store
 STORE_CHUNK = 16384  # prompt tokens copied to the host store at a time
@@ -50,7 +50,13 @@ class SparseOffloadCache(LayerCache):
         self.topk = settings.topk
         self.r = min(settings.channels, spec.head_dim)
         self.cap = self.recent + FLUSH
-        self.selector = ChannelSelector()
+        self.sketch, self.align = None, 1  # align: the middle grows by whole multiples of it
+        if settings.select == "sketch":
+            self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink)
+            self.align = settings.group
+            self.selector = SketchSelector(settings.combine_rule)
+        else:
+            self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
         host = dict(dtype=spec.dtype, device="cpu", pin_memory=spec.device.type == "cuda")
         self.host_k = torch.empty(B, H, N, D, **host)
@@ -69,6 +75,8 @@ class SparseOffloadCache(LayerCache):
         self.held = 0
         self._set_tail_start(self.sink)  # always >= sink; the middle is [sink, tail_start)
         self.kmax.zero_()
+        if self.sketch is not None:
+            self.sketch.reset()
         self.q_hat = None
         self.middle_bucket, self.middle_whole, self.prefetched = 0, False, False
         self._fetched = f"kt_rows:{self.spec.layer_idx}"
@@ -111,13 +119,21 @@ class SparseOffloadCache(LayerCache):
         """At the layer before this one: keep the prediction and start fetching the K^T rows it selects on
         the copy stream, while that layer computes (run() waits for them)."""
         self.q_hat = q_hat
-        if self.middle_bucket:
+        if self.middle_bucket and self.selector.fetches_ahead:
             with self.scheduler.copy_stream(self._fetched):
                 self.selector.prefetch(self, q_hat)
             self.prefetched = True
 
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.dev_k, self.dev_v, self.kmax))
+        sketch = self.sketch.device_bytes() if self.sketch is not None else 0
+        return sketch + sum(t.numel() * t.element_size() for t in (self.dev_k, self.dev_v, self.kmax))
+
+    def whole_middle(self, q) -> torch.Tensor:
+        """A middle of at most top-K tokens taken whole: positions sink .. sink + K - 1 (those past the
+        middle are masked by the caller) [B, Hkv, K]."""
+        k = self.topk
+        pos = torch.arange(self.sink, self.sink + k, device=q.device).clamp_max(self.spec.max_len - 1)
+        return pos.expand(q.shape[0], self.spec.n_kv_heads, k)
 
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.host_k, self.host_v, self.host_kt))
@@ -132,10 +148,12 @@ class SparseOffloadCache(LayerCache):
                          "tokens_attended": self.held + step.n}
             return None
         self.middle_whole = 0 < mid <= self.topk
-        self.middle_bucket = min(fine_bucket(mid), self.spec.max_len - self.sink) if mid > self.topk else 0
+        most = self.spec.max_len - self.sink if self.sketch is None else self.sketch.capacity
+        self.middle_bucket = min(fine_bucket(mid), most) if mid > self.topk else 0
         self._plan_buffers()
         fetched = min(mid, self.topk)
-        kt_bytes = self.spec.batch * self.spec.n_kv_heads * self.r * self.middle_bucket * self.host_k.element_size()
+        kt_rows = 0 if self.sketch is not None else self.r * self.middle_bucket
+        kt_bytes = self.spec.batch * self.spec.n_kv_heads * kt_rows * self.host_k.element_size()
         gathered = self.topk if mid > 0 else 0
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
         self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
@@ -149,16 +167,14 @@ class SparseOffloadCache(LayerCache):
         B, H, most = s.batch, s.n_kv_heads, s.max_len - self.sink
         shapes = {"kt_rows": ((B, H, self.r, n), (B * H * self.r * most,), s.dtype),
                   "scores": ((B, H, n), (B * H * most,), torch.float32),
-                  "channels": ((B, H, self.r), (B * H * self.r,), torch.long),
-                  "k_rows": ((B, H, self.topk, s.head_dim), (B * H * self.topk * s.head_dim,), s.dtype),
-                  "v_rows": ((B, H, self.topk, s.head_dim), (B * H * self.topk * s.head_dim,), s.dtype)}
+                  "channels": ((B, H, self.r), (B * H * self.r,), torch.long)}
         self._buffers = {}
         for name, (shape, most_shape, dtype) in shapes.items():
             full = self.scheduler.buffer(name, self.spec.layer_idx, most_shape, dtype)
             self._buffers[name] = full[:math.prod(shape)].view(shape)
 
     def buffer(self, name: str) -> torch.Tensor:
-        """This step's view of a scheduler buffer: channels, kt_rows, scores, k_rows, v_rows (_plan_buffers)."""
+        """This step's view of a scheduler buffer: channels, kt_rows, scores (_plan_buffers)."""
         return self._buffers[name]
 
     def run(self, q, k, v, step):
@@ -175,7 +191,7 @@ class SparseOffloadCache(LayerCache):
         if step.decode:
             self.held += 1
             if self._tail_len() >= self.cap:
-                self._flush(self._tail_len() - self.recent)
+                self._flush((self._tail_len() - self.recent) // self.align * self.align)
         self.scheduler.join()  # the next step reads the host store: after its writes
 
     def _attend_many(self, q, k, v, start):
@@ -186,27 +202,22 @@ class SparseOffloadCache(LayerCache):
         return causal_attention(q, torch.cat([keys, k], 2), torch.cat([vals, v], 2), start)
 
     def _decode(self, q, k, v, q_hat, prefetched, p):
-        S, dev = self.sink, q.device
+        S = self.sink
         slot = torch.where(p < S, p, S + p - self.tail_start_dev)
         self.dev_k.index_copy_(2, slot, k)
         self.dev_v.index_copy_(2, slot, v)
         torch.maximum(self.kmax, k.abs().amax(2).float(), out=self.kmax)
-        slots = torch.arange(self.dev_k.shape[2], device=dev)
-        valid = torch.where(slots < S, slots <= p, slots - S <= p - self.tail_start_dev)
-        keys, vals = self.dev_k, self.dev_v
-        valid = valid.expand(*self.dev_k.shape[:2], -1)
+        pos = None
         if self.middle_whole or self.middle_bucket:
             if self.middle_bucket and not prefetched:  # no prediction came: fetch from the current query
                 self.selector.prefetch(self, q)
             elif prefetched:
                 self.scheduler.wait(self._fetched)
             pos = self.selector.select(self, q)                                          # [B, Hkv, K]
-            picked = (pos >= S) & (pos < self.tail_start_dev)
-            pos = torch.where(picked, pos, S)  # a held row, masked below
-            keys = torch.cat([keys, gather_rows(self.host_k, pos, dev, out=self.buffer("k_rows"))], 2)
-            vals = torch.cat([vals, gather_rows(self.host_v, pos, dev, out=self.buffer("v_rows"))], 2)
-            valid = torch.cat([valid, picked], 2)
-        return decode_attention(q, keys, vals, valid[:, :, None, :])
+        # one op: the device slots and the selected rows of the host store (read zero-copy, never gathered into
+        # buffers), each masked to what is held, in one fp32 softmax
+        return sparse_decode_attention(q, self.dev_k, self.dev_v, self.host_k, self.host_v, pos, p,
+                                       self.tail_start_dev, S)
 
     # --- storing ------------------------------------------------------------------------------------------
     def _store(self, k, v) -> None:
@@ -224,18 +235,18 @@ class SparseOffloadCache(LayerCache):
             return
         tl = start + ns - self.tail_start  # tail tokens held before these
         n = tl + t
-        if n <= self.recent:
+        m = max(0, n - self.recent) // self.align * self.align  # oldest tokens of (tail + new) that move to the host
+        if m == 0:
             self.dev_k[:, :, S + tl:S + n] = k
             self.dev_v[:, :, S + tl:S + n] = v
             return
-        m = n - self.recent      # oldest tokens of (tail + new) that move to the host
         a = min(tl, m)           # ... of which from the old tail
         self._to_host(self.dev_k[:, :, S:S + a], self.dev_v[:, :, S:S + a], self.tail_start)
         self._to_host(k[:, :, :m - a], v[:, :, :m - a], self.tail_start + a)
         keep_k = torch.cat([self.dev_k[:, :, S + a:S + tl], k[:, :, m - a:]], 2)  # new tensors: no overlap
         keep_v = torch.cat([self.dev_v[:, :, S + a:S + tl], v[:, :, m - a:]], 2)
-        self.dev_k[:, :, S:S + self.recent] = keep_k
-        self.dev_v[:, :, S:S + self.recent] = keep_v
+        self.dev_k[:, :, S:S + n - m] = keep_k
+        self.dev_v[:, :, S:S + n - m] = keep_v
         self._set_tail_start(self.tail_start + m)
 
     def _flush(self, m: int) -> None:
@@ -252,6 +263,8 @@ class SparseOffloadCache(LayerCache):
         for s in range(0, k.shape[2], STORE_CHUNK):  # chunks bound the device copies of a long prompt
             kc, vc = k[:, :, s:s + STORE_CHUNK].contiguous(), v[:, :, s:s + STORE_CHUNK].contiguous()
             ktc, a, b = kc.transpose(2, 3).contiguous(), pos + s, pos + s + kc.shape[2]
+            if self.sketch is not None:
+                self.sketch.append(kc)
             with self.scheduler.copy_stream(f"store:{self.spec.layer_idx}"):
                 host_copy(self.host_k[:, :, a:b], kc)
                 host_copy(self.host_v[:, :, a:b], vc)
