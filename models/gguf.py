@@ -184,3 +184,21 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32,
 
 def gguf_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_gguf(path)
+
+
+def sampling_metadata(path: str) -> dict:
+    """llama.cpp's general.sampling.* values, where the file has them."""
+    from tailorkv.engine.sampling import GGUF_KEYS
+    reader = open_gguf(path)
+    return {k: metadata(reader, k) for k in GGUF_KEYS if metadata(reader, k) is not None}
+
+
+def stored_types(path: str) -> str:
+    """The file's type as its metadata names it (e.g. 'Q4_1'), else its tensor types, most common first."""
+    from collections import Counter
+    reader = open_gguf(path)
+    try:
+        return gguf.LlamaFileType(int(metadata(reader, "general.file_type"))).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        counts = Counter(t.tensor_type.name for t in reader.tensors)
+        return "+".join(name for name, _ in counts.most_common())
