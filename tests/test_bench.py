@@ -96,7 +96,7 @@ def test_unknown_method_is_a_clean_error(tiny, tmp_path):
 def test_bad_sizes_are_clean_errors(tiny, tmp_path):
     r = bench_cmd("--model", tiny, "--ctx", "64", "--decode-steps", "60", "--out", str(tmp_path))
     assert r.exit_code == 1 and "no room for a prompt" in r.output
-    r = bench_cmd("--model", tiny, "--ctx", "8k", "--methods", "full", "--out", str(tmp_path), *FAST)
+    r = bench_cmd("--model", tiny, "--ctx", "8k", "--methods", "full", "--out", str(tmp_path), *FAST[:6])
     assert r.exit_code == 1 and "beyond what the model supports" in r.output
     r = bench_cmd("--model", tiny, "--gpu-mem-limit", "lots", "--out", str(tmp_path), *FAST)
     assert r.exit_code == 1 and "not a size" in r.output
@@ -115,7 +115,8 @@ def test_oom_cell_is_reported_and_the_sweep_goes_on(tiny, tmp_path, monkeypatch)
     monkeypatch.setattr(B, "build_cache", build)
     monkeypatch.chdir(tmp_path)  # default --out: bench/results/<date>-<model>/
     methods = ["streamingllm", "snapkv", "full"]
-    r = bench_cmd("--model", tiny, "--ctx", "128,192", "--methods", ",".join(methods), *FAST)
+    r = bench_cmd("--model", tiny, "--ctx", "128,192", "--methods", ",".join(methods), *FAST[:6], "--budget", "48",
+                  "--sink", "8")
     assert r.exit_code == 0, r.output
     (folder,) = os.listdir(tmp_path / "bench" / "results")
     assert folder.endswith(os.path.basename(tiny))

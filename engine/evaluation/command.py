@@ -44,14 +44,37 @@ def show(res: dict, con=None) -> None:
         con.print(ft)
 
 
+def same_command(ctx: click.Context, **changes) -> str:
+    """The command line the user typed (its options as given), with `changes` set: {"out": "DIR", "resume": True}."""
+    import shlex
+    from click.core import ParameterSource
+    args = ["tailorkv", ctx.info_name or "eval"]
+    for p in ctx.command.params:
+        if not isinstance(p, click.Option):
+            continue
+        given = ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE
+        if p.name not in changes and not given:
+            continue
+        value = changes.get(p.name, ctx.params.get(p.name))
+        flag = max(p.opts, key=len)
+        if p.is_flag:
+            args += [flag] if value else []
+        elif p.multiple:
+            for v in value:
+                args += [flag, str(v)]
+        elif value is not None:
+            args += [flag, str(value)]
+    return shlex.join(args)
+
+
 def register(main: click.Group) -> list[click.Command]:
-    from tailorkv.engine import ui
+    from tailorkv.engine import options, ui
     from tailorkv.engine.evaluation.tasks import TASKS
     from tailorkv.engine.settings import METHODS
 
     @main.command("eval")
-    @ui.model_options
-    @ui.method_options
+    @options.model_options
+    @options.method_options
     @click.option("--methods", default=DEFAULT_METHODS, show_default=True,
                   help=f"comma-separated, from: {', '.join(METHODS)}")
     @click.option("--lengths", default="4k", show_default=True,
@@ -70,9 +93,10 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--resume", is_flag=True, help="keep the finished items of an interrupted run in --out and do "
                                                   "the rest (same command otherwise)")
     @ui.friendly
-    def eval_cmd(model, weights, random_weights, device, dtype, methods, lengths, samples, tasks, seed,
+    def eval_cmd(model, weights, random_weights, device, dtype, threads, methods, lengths, samples, tasks, seed,
                  budget_frac, max_new_tokens, fidelity_tokens, out, shard, resume, **knobs):
         """Long-context accuracy of every method against the full cache (eval.json + tables + PNG)."""
+        ui.set_threads(threads)
         run_eval(click.get_current_context().params, model, weights, random_weights, device, dtype, methods,
                  lengths, samples, tasks, seed, budget_frac, max_new_tokens, fidelity_tokens, out, shard, knobs,
                  resume)
@@ -97,14 +121,17 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
-    from tailorkv.engine import results as R, ui
+    from tailorkv.engine import options, results as R, ui
     from tailorkv.engine.bench.driver import model_info
     from tailorkv.engine.evaluation import driver as D
     from tailorkv.engine.evaluation.report import write_outputs
     from tailorkv.engine.methods import layer_policies
 
-    plan = D.EvalPlan(lengths=D.parse_lengths(lengths), methods=D.parse_methods(methods), tasks=D.parse_tasks(tasks),
-                      samples=samples, seed=seed, base=ui.settings_from(method="full", **knobs),
+    click_ctx = click.get_current_context()
+    names = D.parse_methods(methods)
+    options.check_knob_use(click_ctx, names)
+    plan = D.EvalPlan(lengths=D.parse_lengths(lengths), methods=names, tasks=D.parse_tasks(tasks),
+                      samples=samples, seed=seed, base=options.settings_from(method="full", **knobs),
                       budget_frac=budget_frac, max_new_tokens=max_new_tokens, fidelity_tokens=fidelity_tokens)
     plan.validate()
     shard_t = D.parse_shard(shard)
@@ -113,12 +140,14 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     if resume and not out:
         raise ui.UserError("--resume needs --out DIR: the folder of the run to finish")
     dev = ui.pick_device(device)
+    cfg = options.peek(model, weights, random_weights)
+    too_long = [n for n in plan.lengths if n > cfg.max_context]
+    if too_long:
+        raise ui.UserError(f"--lengths {too_long[0]} is beyond what {model} supports "
+                            f"({cfg.max_context} tokens): lower --lengths")
+    options.check_for_model([plan.settings(m, n) for m in plan.methods for n in plan.lengths], cfg, click_ctx)
     torch.manual_seed(seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev))
-    too_long = [n for n in plan.lengths if n > loaded.cfg.max_context]
-    if too_long:
-        raise ui.UserError(f"--lengths {too_long[0]} is beyond what {loaded.name} supports "
-                            f"({loaded.cfg.max_context} tokens): lower --lengths")
     D.check_methods(loaded, plan)
 
     items = D.shard_items(plan.items(), shard_t)
@@ -153,11 +182,12 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
     bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TimeRemainingColumn(), console=ui.err, transient=True)
     try:
-        run_items(items, loaded, plan, suites, texts, records, bar, save)
+        run_items(items, loaded, plan, suites, texts, records, bar, save, lines=not ui.err.is_terminal)
     except KeyboardInterrupt:
         save(force=True)
-        raise ui.UserError(f"interrupted: {len(records)} items saved in {json_path}; run the same command "
-                            f"with --resume to finish") from None
+        again = same_command(click_ctx, out=out, resume=True)
+        raise ui.UserError(f"interrupted: {len(records)} items saved in {json_path}; to finish, run: {again}") \
+            from None
     res = D.results(records=records, **common)
     if shard_t is None:
         paths = write_outputs(res, out)
@@ -174,12 +204,25 @@ def run_eval(params, model, weights, random_weights, device, dtype, methods, len
               + (f" (shard {shard_t[0]} of {shard_t[1]}: merge with `tailorkv eval-merge {out}`)" if shard_t else ""))
 
 
-def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
-    """Runs the items in order under the progress bar, appending each record and saving as it goes."""
+def item_line(i: int, n: int, what: str, rec: dict) -> str:
+    """One line per finished item, for logs (where the progress bar does not show)."""
+    if rec["status"] != "ok":
+        result = rec["status"].upper()
+    elif rec.get("score") is not None:
+        result = f"score {rec['score']:.0f}"
+    else:
+        result = "done"
+    return f"[{i}/{n}] {what}: {result} ({rec['wall_s']:.1f} s)"
+
+
+def run_items(items, loaded, plan, suites, texts, records, bar, save, lines: bool = False) -> None:
+    """Runs the items in order under the progress bar (or, with lines, printing a line per item on stderr),
+    appending each record and saving as it goes."""
+    from tailorkv.engine import ui
     from tailorkv.engine.evaluation import driver as D
     with bar:
         task = bar.add_task("eval", total=len(items))
-        for it in items:
+        for i, it in enumerate(items, 1):
             what = (f"{D.length_label(it['length'])} {it['method']} "
                     + (f"{it['task']} #{it['sample']}" if it["kind"] == "task" else "fidelity"))
             bar.update(task, description=what)
@@ -188,6 +231,8 @@ def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
             records.append(rec)
             save(force=rec["status"] != "ok")
             bar.advance(task)
+            if lines:
+                ui.err.print(item_line(i, len(items), what, rec), markup=False)
 
 
 def run_merge(folder: str, out: str | None) -> None:
