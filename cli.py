@@ -11,8 +11,9 @@ from tailorkv.engine.options import check_for_model, check_knob_use, method_opti
 from tailorkv.engine.ui import (OneLineErrors, UserError, check_ctx, friendly, load_with_progress, parse_ctx,
                                 pick_device, pick_dtype, read_text_file, set_threads, utf8_text)
 
-SAMPLING_HELP = ("Sampling defaults: the model's generation_config.json where it has one, else llama.cpp's "
-                 "(temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat-penalty 1.1 over the last 64 tokens). "
+SAMPLING_HELP = ("Sampling defaults: each value the model's generation_config.json names (for smollm2-135m, "
+                 "its model card's temperature 0.2 and top-p 0.9, kept in configs/), else llama.cpp's: temperature "
+                 "0.8, top-k 40, top-p 0.95, min-p 0.05, and repeat-penalty 1.1 over the answer's last 64 tokens. "
                  "One-shot -p/-f is greedy (temperature 0) unless --temp is given, so scripts get the same answer.")
 
 
@@ -34,8 +35,8 @@ def main():
 @click.option("--top-k", type=int, default=None, help="0 = off")
 @click.option("--top-p", type=float, default=None, help="1 = off")
 @click.option("--min-p", type=float, default=None, help="0 = off; drop tokens below min-p x the top probability")
-@click.option("--repeat-penalty", type=float, default=None, help="1 = off; llama.cpp's penalty on recent tokens")
-@click.option("--repeat-last-n", type=int, default=None, help="tokens the penalty looks back on (0 = off, -1 = all)")
+@click.option("--repeat-penalty", type=float, default=None, help="1 = off; llama.cpp's rule, on the answer's recent tokens")
+@click.option("--repeat-last-n", type=int, default=None, help="answer tokens the penalty looks back on (0 = off, -1 = the whole answer)")
 @click.option("--seed", "-s", type=int, default=None, help="sampling seed (default: random)")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--no-chat-template", is_flag=True, help="feed raw text, no chat template")
@@ -71,7 +72,8 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     from tailorkv.engine.chat import ChatSession
     from tailorkv.engine.generate import Engine
     from tailorkv.engine.methods import build_cache
-    sampling, source = S.resolve(flags, loaded.generation, greedy=prompt is not None and temperature is None)
+    sampling, source = S.resolve(flags, loaded.generation, greedy=prompt is not None and temperature is None,
+                                 model_source=loaded.generation_source)
     cache = build_cache(loaded, settings, ctx_len)
     chat = ChatSession(Engine(loaded, cache, sampling), system=system, use_template=not no_chat_template)
     if prompt is not None:

@@ -28,6 +28,7 @@ class LoadedModel:
     source: str  # "gguf:PATH", "hf:DIR" or "random"
     family: dict = field(default_factory=dict)  # the configs/NAME.json entry, if any
     generation: dict = field(default_factory=dict)  # sampling values the model ships (generation_config.json)
+    generation_source: str = ""
     stored: str = ""  # how the weights are stored in the file, e.g. "Q4_1" or "bf16"
 
     @property
@@ -46,6 +47,17 @@ def read_family(name: str) -> dict:
                         f"a Hugging Face folder or hub id (org/name), or a .gguf file")
     with open(path) as f:
         return json.load(f)
+
+
+def with_generation(loaded: LoadedModel) -> LoadedModel:
+    """Sampling values: the weights' own (generation_config.json, GGUF metadata), else the family config's."""
+    from tailorkv.engine.sampling import model_defaults
+    if model_defaults(loaded.generation):
+        loaded.generation_source = "the model's generation config"
+    elif loaded.family.get("generation"):
+        loaded.generation = dict(loaded.family["generation"])
+        loaded.generation_source = loaded.generation.get("source") or f"configs/{loaded.family.get('name')}.json"
+    return loaded
 
 
 def resolve(name: str, weights: str | None = None, random_weights: bool = False) -> tuple[dict, str | None]:
@@ -114,8 +126,9 @@ def load_model(name: str = DEFAULT_MODEL, weights: str | None = None, random_wei
         check_family(family, _config_of(path), path)
         cfg, tensors = load_gguf(path, dtype=dtype, progress=progress)
         model = _place(cfg, tensors.items(), len(tensors), device, dtype, progress=None)
-        return LoadedModel(model, gguf_tokenizer(path), cfg, family.get("name", _stem(path)), f"gguf:{path}", family,
-                           generation=sampling_metadata(path), stored=stored_types(path))
+        return with_generation(LoadedModel(model, gguf_tokenizer(path), cfg, family.get("name", _stem(path)),
+                                           f"gguf:{path}", family, generation=sampling_metadata(path),
+                                           stored=stored_types(path)))
     from tailorkv.models import hf
     cfg = hf.read_config(path)
     check_family(family, cfg, path)
@@ -127,8 +140,8 @@ def load_model(name: str = DEFAULT_MODEL, weights: str | None = None, random_wei
         tok = Tokenizer.from_hf_folder(path)
     from tailorkv.models.hub import looks_like_hub_id
     label = family.get("name") or (name if looks_like_hub_id(name) else cfg.name)
-    return LoadedModel(model, tok, cfg, label, f"hf:{path}", family,
-                       generation=hf.generation_config(path), stored=hf.stored_dtypes(shards))
+    return with_generation(LoadedModel(model, tok, cfg, label, f"hf:{path}", family,
+                                       generation=hf.generation_config(path), stored=hf.stored_dtypes(shards)))
 
 
 def _stem(path: str) -> str:
