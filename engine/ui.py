@@ -11,7 +11,7 @@ import time
 import click
 from rich.console import Console
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per message, even in logs
 MIN_CTX = 16
 
 

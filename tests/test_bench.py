@@ -152,3 +152,26 @@ def test_helpers():
     assert f["hbm_ms"] == pytest.approx(1.5) and f["kv_read_source"] == "tokens_attended"
     cell["stats"]["kv_read_bytes"] = 0  # a policy that says what it reads on the device wins
     assert B.floor_of(cell, 1e9, 1000, plan)["hbm_ms"] == pytest.approx(1.0)
+
+
+def test_cpu_run_output_formats_and_defaults(tiny, tmp_path):
+    """A bare bench fits the model (tiny: 2048 tokens); a CPU run shows no floor or PCIe figures; --output puts
+    only the results on stdout; a budget that covers the context is named."""
+    import csv
+    import json
+    from tailorkv.engine.bench.command import default_ctxs
+    assert default_ctxs(8192) == [8192] and default_ctxs(131072) == [8192, 32768] and default_ctxs(2048) == [2048]
+    args = ["--model", tiny, "--methods", "full,streamingllm", "--decode-steps", "2", "--warmup", "0",
+            "--device", "cpu", "--budget", "4096", "--sink", "4"]
+    r = bench_cmd(*args, "--out", str(tmp_path / "csv"), "--output", "csv")
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(r.stdout.splitlines()))
+    assert [(x["method"], x["ctx"], x["prompt"]) for x in rows] == [("full", "2k", "2030"), ("streamingllm", "2k", "2030")]
+    assert "floor ms" not in rows[0] and "PCIe/tok" not in rows[0] and "peak dev" not in rows[0] and rows[0]["KV"]
+    assert "streamingllm: --budget 4096 covers the whole context at 2k" in r.output
+    assert "4300" not in r.output and "floor" not in r.output.split("covers")[-1]
+    r = bench_cmd(*args, "--out", str(tmp_path / "md"), "--output", "md")
+    assert r.exit_code == 0 and r.stdout.startswith("| method | ctx | prompt |") and "| full | 2k | 2030 |" in r.stdout
+    r = bench_cmd(*args, "--out", str(tmp_path / "json"), "--output", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["cells"][0]["prompt_tokens"] == 2030
+    check_png(tmp_path / "json" / "peak_memory.png")

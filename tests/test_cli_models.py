@@ -76,3 +76,20 @@ def test_load_line_of_the_default_model():
 def test_a_model_path_that_is_neither_folder_nor_hub_id(tmp_path):
     assert_one_line_error(call("run", "-m", str(tmp_path / "a" / "b"), "-p", "hi"), "does not exist")
     assert not os.path.exists(tmp_path / "a")
+
+
+def test_auto_dtype_is_bf16_where_the_device_computes_in_it(monkeypatch):
+    import torch
+    from tailorkv.engine import ui
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(ui, "cpu_has_bf16", lambda: True)
+    assert ui.pick_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(ui, "cpu_has_bf16", lambda: False)
+    assert ui.pick_dtype("auto", cpu) == torch.float32  # AVX2 emulates bf16: 4x slower prefill
+    assert ui.pick_dtype("bf16", cpu) == torch.bfloat16
+
+
+def test_load_line_says_what_the_weights_became(hub_cache):
+    res = call("run", "-m", str(hub_cache), "-p", "hi", "-n", "2", "--device", "cpu", "--dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    assert "fp32 safetensors -> bf16 weights" in res.output

@@ -103,9 +103,12 @@ def plot_memory(res: dict, path: str) -> None:
         ooms = _lines(ax, res, lambda c: c["peak_device_bytes"] / GIB if c.get("peak_device_bytes") else None)
         ax.axhline(res["model"]["model_bytes"] / GIB, color="k", ls="--", lw=1, label="weights")
     else:  # the process RSS only grows over a sweep: what each cell held is its KV cache
-        fig, ax = _axes(res, "KV cache held per cell (CPU run: KV + offloaded KV, weights not included)", "GiB")
-        ooms = _lines(ax, res, lambda c: (c["kv_device_bytes"] + c["kv_host_bytes"]) / GIB
-                      if c.get("kv_device_bytes") is not None else None)
+        def kv(c):
+            return c["kv_device_bytes"] + c["kv_host_bytes"] if c.get("kv_device_bytes") is not None else None
+        most = max((kv(c) or 0 for c in res["cells"]), default=0)
+        unit, scale = ("GiB", GIB) if most >= GIB else ("MiB", 1024 ** 2)
+        fig, ax = _axes(res, "KV cache held per cell (CPU run: KV + offloaded KV, weights not included)", unit)
+        ooms = _lines(ax, res, lambda c: kv(c) / scale if kv(c) is not None else None)
     limit = res["bench"].get("gpu_mem_limit_bytes")
     if limit and gpu:
         ax.axhline(limit / GIB, color="r", ls=":", lw=1, label=f"--gpu-mem-limit {limit / GIB:.1f} GiB")
