@@ -23,6 +23,9 @@ class UserError(click.ClickException):
         err.print(f"[bold red]error:[/] {escape(self.message)}", highlight=False, soft_wrap=True)
 
 
+NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
+
+
 class OneLineErrors(click.Group):
     """A group whose usage errors (bad option value, unknown option, missing argument) print one line,
     `error: <cause> (see: tailorkv CMD --help)`, instead of click's usage block."""
@@ -32,6 +35,9 @@ class OneLineErrors(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NO_ARGS_HELP as e:  # a bare `tailorkv` shows the help
+            e.show()
+            sys.exit(e.exit_code)
         except click.UsageError as e:
             cmd = e.ctx.command_path if e.ctx is not None else "tailorkv"
             UserError(f"{e.format_message()} (see: {cmd} --help)").show()
@@ -39,9 +45,9 @@ class OneLineErrors(click.Group):
         except click.ClickException as e:
             e.show()
             sys.exit(e.exit_code)
-        except click.Abort:
-            err.print("aborted")
-            sys.exit(1)
+        except click.Abort:  # Ctrl-C outside a chat turn (click turns KeyboardInterrupt into Abort)
+            err.print("interrupted")
+            sys.exit(130)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
