@@ -169,6 +169,7 @@ def test_cpu_run_output_formats_and_defaults(tiny, tmp_path):
     assert [(x["method"], x["ctx"], x["prompt"]) for x in rows] == [("full", "2k", "2030"), ("streamingllm", "2k", "2030")]
     assert "floor ms" not in rows[0] and "PCIe/tok" not in rows[0] and "peak dev" not in rows[0] and rows[0]["KV"]
     assert "streamingllm: --budget 4096 covers the whole context at 2k" in r.output
+    assert "[1/2] full @ 2k (2030 prompt tokens): prefill " in r.output  # a log gets a line per cell
     assert "4300" not in r.output and "floor" not in r.output.split("covers")[-1]
     r = bench_cmd(*args, "--out", str(tmp_path / "md"), "--output", "md")
     assert r.exit_code == 0 and r.stdout.startswith("| method | ctx | prompt |") and "| full | 2k | 2030 |" in r.stdout

@@ -85,6 +85,14 @@ def render(res: dict, fmt: str) -> str:
     return "\n".join(lines)
 
 
+def cell_line(cell: dict, i: int, n: int) -> str:
+    row = values(cell, on_gpu=False)
+    head = f"[{i}/{n}] {cell['method']} @ {row['ctx']} ({row['prompt']} prompt tokens): "
+    if cell["status"] != "ok":
+        return head + f"{row['prefill s']} {row['ms/tok']}"
+    return head + f"prefill {row['prefill s']} s, decode {row['ms/tok']} ms/token (p90 {row['p90']})"
+
+
 def whole_context_notes(plan) -> list[str]:
     """Cells where a method's budget covers the whole context: the method then attends to every token."""
     from tailorkv.engine.bench.plot import ctx_label
@@ -217,6 +225,8 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
             bar.advance(task)
             save()
             live.refresh()
+            if not con.is_terminal:  # a log shows the live table only at the end: a line per cell meanwhile
+                ui.err.print(cell_line(cell, len(cells), len(plan.ctxs) * len(plan.methods)), markup=False)
 
         B.run_sweep(loaded, plan, on_cell=on_cell, on_phase=on_phase)
         bar.update(task, visible=False)
