@@ -152,6 +152,12 @@ def test_weights_of_another_model_are_refused(tmp_path):
     assert "loading" not in res.output
 
 
+def test_weights_folder_of_another_shape(tmp_path):
+    from helpers import write_tiny_folder
+    res = call("run", "-m", "smollm2-135m", "--weights", write_tiny_folder(str(tmp_path / "tiny")), "-p", "hi")
+    assert_clean_error(res, "is not smollm2-135m", "3 layers", "30 layers")
+
+
 def test_version_and_help():
     res = call("--version")
     assert res.exit_code == 0 and res.output.strip().startswith("tailorkv ")

@@ -35,3 +35,9 @@ def test_the_wheel_installs_only_tailorkv(tmp_path):
     assert "tailorkv/cli.py" in names and "tailorkv/configs/smollm2-135m.json" in names
     entry = zipfile.ZipFile(tmp_path / "dist" / wheel).read(f"tailorkv-{version}.dist-info/entry_points.txt").decode()
     assert "tailorkv = tailorkv.cli:main" in entry
+    # installed, the same: one package and its metadata (and the console script in bin/)
+    site = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site),
+                          str(tmp_path / "dist" / wheel)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert set(os.listdir(site)) - {"bin"} == {"tailorkv", f"tailorkv-{version}.dist-info"}
