@@ -156,9 +156,25 @@ def _config_of(path: str) -> ModelConfig:
     return hf.read_config(path)
 
 
+SMALL_MODEL_BYTES = 2 << 30  # below this the skeleton is built on the CPU, uninitialised (pages never touched)
+
+
 def _skeleton(cfg: ModelConfig) -> Llama:
-    with torch.device("meta"):
-        return Llama(cfg)
+    """The model with its weights' initialisation skipped, to be filled by _place. A small model is built on the
+    CPU: on the meta device torch imports its decompositions first (3.4 s of SmolLM2's load); a large one on
+    the meta device, so that nothing is allocated."""
+    skipped = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
+    saved = {name: getattr(nn.init, name) for name in skipped}
+    per_layer = cfg.dim * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads) + 3 * cfg.dim * cfg.hidden_dim
+    n_bytes = 4 * (cfg.n_layers * per_layer + cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2))
+    try:
+        for name in skipped:
+            setattr(nn.init, name, lambda t, *a, **kw: t)
+        with torch.device("cpu" if n_bytes < SMALL_MODEL_BYTES else "meta"):
+            return Llama(cfg)
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def _finish(model: Llama, device) -> Llama:
