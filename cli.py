@@ -1,59 +1,86 @@
-"""The `tailorkv` command: run (chat), bench, profile, eval."""
+"""The `tailorkv` command: run (chat or one-shot), bench, profile, eval. Every argument is checked before the
+model loads; errors a user can cause end in one line (engine/ui.py)."""
 from __future__ import annotations
 
 import sys
 
 import click
-from rich.console import Console
 
-from tailorkv.engine.ui import (UserError, check_ctx, fmt_bytes, friendly, load_with_progress, method_options,
-                                model_options, parse_ctx, pick_device, pick_dtype, settings_from)
+from tailorkv import __version__
+from tailorkv.engine.options import check_for_model, check_knob_use, method_options, model_options, peek, settings_from
+from tailorkv.engine.ui import (OneLineErrors, UserError, cap_gpu_memory, check_ctx, friendly, load_with_progress,
+                                parse_ctx, pick_device, pick_dtype, read_text_file, set_threads, utf8_text)
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+SAMPLING_HELP = ("Sampling defaults: each value the model's generation_config.json names (for smollm2-135m, "
+                 "its model card's temperature 0.2 and top-p 0.9, kept in configs/), else llama.cpp's: temperature "
+                 "0.8, top-k 40, top-p 0.95, min-p 0.05, and repeat-penalty 1.1 over the answer's last 64 tokens. "
+                 "One-shot -p/-f is greedy (temperature 0) unless --temp is given, so scripts get the same answer.\n\n"
+                 "Method knobs (--bits to --quant-layers) change only the methods named in parentheses: giving one "
+                 "to a method that ignores it is an error.")
+
+
+@click.group(name="tailorkv", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="tailorkv", message="%(prog)s %(version)s")
 def main():
     """tailorkv: long-context inference for Llama-family models with the TailorKV cache."""
 
 
-def turn_line(stats, engine) -> str:
-    c = engine.cache
-    return (f"prefill {stats.prompt_tokens} tok at {stats.prefill_tps:.0f} tok/s | "
-            f"decode {stats.new_tokens} tok at {stats.decode_tps:.1f} tok/s | "
-            f"KV device {fmt_bytes(c.device_bytes())}, host {fmt_bytes(c.host_bytes())} | "
-            f"context {len(engine.tokens)}/{engine.max_len}")
-
-
-@main.command()
+@main.command(epilog=SAMPLING_HELP)
 @model_options
 @method_options
-@click.option("--ctx", default=None, help="context length: 8192, 8k, 128k (default: min(model, 8k))")
-@click.option("--prompt", "-p", default=None, help="one-shot: print only the answer to this prompt")
+@click.option("--ctx", "-c", default=None, help="context length: 8192, 8k, 128k (default: min(model, 8k))")
+@click.option("--prompt", "-p", default=None, help="one-shot: print only the answer to this prompt (greedy)")
+@click.option("--file", "-f", "prompt_file", default=None, help="one-shot: the prompt from a UTF-8 file (- = stdin)")
 @click.option("--system", default=None, help="system message")
-@click.option("--max-new-tokens", "-n", type=int, default=512, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--max-new-tokens", "-n", type=int, default=512, show_default=True, help="tokens per answer, at most")
+@click.option("--temperature", "--temp", type=float, default=None, help="0 = greedy  [default: see below]")
+@click.option("--top-k", type=int, default=None, help="0 = off")
+@click.option("--top-p", type=float, default=None, help="1 = off")
+@click.option("--min-p", type=float, default=None, help="0 = off; drop tokens below min-p x the top probability")
+@click.option("--repeat-penalty", type=float, default=None, help="1 = off; llama.cpp's rule, on the answer's recent tokens")
+@click.option("--repeat-last-n", type=int, default=None, help="answer tokens the penalty looks back on (0 = off, -1 = the whole answer)")
+@click.option("--seed", "-s", type=int, default=None, help="sampling seed (default: random)")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--no-chat-template", is_flag=True, help="feed raw text, no chat template")
+@click.option("--gpu-mem-limit", default=None, help="cap device memory, weights included, e.g. 24GiB (as on a 24 GB card)")
 @friendly
-def run(model, weights, random_weights, device, dtype, method, bits, budget, sink, recent, channels,
-        quant_layers, select_rule, channel_rule, ctx, prompt, system, max_new_tokens, temperature, top_p, top_k,
-        seed, stop, no_chat_template):
-    """Chat with a model (or answer one --prompt)."""
+def run(model, weights, random_weights, device, dtype, threads, method, bits, budget, sink, recent, channels,
+        quant_layers, select, sketch_bits, select_rule, channel_rule, ctx, prompt, prompt_file, system,
+        max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, stop,
+        no_chat_template, gpu_mem_limit):
+    """Chat with a model, or answer one --prompt / --file and exit."""
+    from tailorkv.engine import sampling as S
+
+    prompt = one_shot_prompt(prompt, prompt_file)
+    if system is not None:
+        utf8_text(system, "--system")
+    for s in stop:
+        utf8_text(s, "--stop")
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    flags = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                 repeat_last_n=repeat_last_n, seed=seed)
+    S.resolve(flags)  # checks the values given, before anything loads
+    check_knob_use(click.get_current_context(), [method])
+    settings = settings_from(method, bits, budget, sink, recent, channels, quant_layers, select, sketch_bits,
+                             select_rule, channel_rule)
+    ctx_len = parse_ctx(ctx) if ctx is not None else None
+    dev = pick_device(device)
+    cap_gpu_memory(gpu_mem_limit, dev)
+    set_threads(threads)
+    cfg = peek(model, weights, random_weights)
+    ctx_len = check_ctx(ctx_len, cfg, model)
+    check_for_model([settings], cfg, click.get_current_context())
+
+    loaded = load_with_progress(model, weights, random_weights, dev, pick_dtype(dtype, dev))
+    if loaded.tokenizer is None:
+        raise UserError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
     from tailorkv.engine.chat import ChatSession
     from tailorkv.engine.generate import Engine
     from tailorkv.engine.methods import build_cache
-    from tailorkv.engine.sampling import SamplingParams
-
-    sampling = SamplingParams(temperature, top_p, top_k, seed)
-    sampling.validate()
-    settings = settings_from(method, bits, budget, sink, recent, channels, quant_layers, select_rule, channel_rule)
-    dev = pick_device(device)
-    ctx_len = parse_ctx(ctx) if ctx else None
-    loaded = load_with_progress(model, weights, random_weights, dev, pick_dtype(dtype, dev), quiet=prompt is not None)
-    if loaded.tokenizer is None:
-        raise UserError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
-    cache = build_cache(loaded, settings, check_ctx(ctx_len, loaded))
+    sampling, source = S.resolve(flags, loaded.generation, greedy=prompt is not None and temperature is None,
+                                 model_source=loaded.generation_source)
+    cache = build_cache(loaded, settings, ctx_len)
     chat = ChatSession(Engine(loaded, cache, sampling), system=system, use_template=not no_chat_template)
     if prompt is not None:
         def out(s):
@@ -62,57 +89,24 @@ def run(model, weights, random_weights, device, dtype, method, bits, budget, sin
         chat.send(prompt, max_new_tokens, tuple(stop), on_text=out)
         sys.stdout.write("\n")
         return
-    repl(chat, max_new_tokens, tuple(stop))
+    from tailorkv.engine.repl import repl
+    repl(chat, max_new_tokens, tuple(stop), sampling_note=f"{sampling.describe()} ({source})")
 
 
-def repl(chat, max_new_tokens: int, stop: tuple[str, ...]) -> None:
-    con = Console(highlight=False)
-    eng = chat.engine
-    con.print(f"[bold]tailorkv[/] {eng.loaded.name} ({eng.cache.method}) on {eng.device}, "
-              f"context {eng.max_len}. /reset, /stats, /exit; Ctrl-C stops an answer, Ctrl-D exits.")
-    last = None
-    while True:
-        try:
-            text = con.input("[bold green]>>> [/]")
-        except EOFError:
-            con.print()
-            return
-        except KeyboardInterrupt:
-            con.print()
-            continue
-        cmd = text.strip()
-        if not cmd:
-            continue
-        if cmd in ("/exit", "/quit", "/bye"):
-            return
-        if cmd == "/reset":
-            chat.reset()
-            con.print("[dim]conversation cleared[/]")
-            continue
-        if cmd == "/stats":
-            con.print(f"[dim]{turn_line(last, eng) if last else 'no turn yet'}; "
-                      f"{len(chat.messages)} messages; policy counters {eng.cache.stats()}[/]")
-            continue
-        if cmd.startswith("/"):
-            con.print("[yellow]unknown command; use /reset, /stats or /exit[/]")
-            continue
-        try:
-            _, last = chat.send(text, max_new_tokens, stop, on_text=lambda s: con.out(s, end="", highlight=False))
-            con.print()
-            con.print(f"[dim]{turn_line(last, eng)}[/]")
-        except KeyboardInterrupt:
-            con.print("\n[dim](stopped; the history is kept)[/]")
-        except Exception as e:  # a turn that fails must not lose the chat
-            import torch
-            from rich.markup import escape
-            from tailorkv.engine.generate import ContextTooLong
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                torch.cuda.empty_cache()
-                eng.recover()
-                e = "the GPU ran out of memory in this turn: /reset, or restart with a lower --ctx or --method tailorkv"
-            elif not isinstance(e, (ContextTooLong, ValueError)):
-                raise
-            con.print(f"[bold red]error:[/] {escape(str(e))}")
+def one_shot_prompt(prompt: str | None, prompt_file: str | None) -> str | None:
+    if prompt is not None and prompt_file is not None:
+        raise UserError("--prompt and --file both give the prompt: use one of them")
+    if prompt_file is not None:
+        prompt = read_text_file(prompt_file, "--file")
+        what = f"--file {prompt_file}"
+    else:
+        what = "--prompt"
+    if prompt is None:
+        return None
+    utf8_text(prompt, what)
+    if not prompt.strip():
+        raise UserError(f"{what} is empty: give the text to answer (or leave it out to chat)")
+    return prompt
 
 
 def _register_commands() -> None:
@@ -127,4 +121,4 @@ def _register_commands() -> None:
 _register_commands()
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="tailorkv")

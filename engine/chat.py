@@ -37,7 +37,8 @@ class ChatSession:
 
     def send(self, user_text: str, max_new_tokens: int = 512, stop: tuple[str, ...] = (),
              on_text: Callable[[str], None] | None = None) -> tuple[str, TurnStats]:
-        """One turn. On KeyboardInterrupt the partial answer is kept in the history and the cache repaired."""
+        """One turn. On KeyboardInterrupt the partial answer is kept in the history and the cache repaired; on
+        any other error the turn is dropped from the history (the earlier turns stay) and the cache repaired."""
         tok = self.engine.tokenizer
         pending = self.messages + [{"role": "user", "content": user_text}]
         ids = self.new_ids(self.render(pending))
@@ -54,24 +55,35 @@ class ChatSession:
                     on_text(s)
             return bool(stop) and any(x in "".join(pieces) for x in stop)
 
-        stats = TurnStats(prompt_tokens=len(ids), stop="interrupted")
         try:
             _, stats = self.engine.generate(ids, max_new_tokens, on_token)
         except KeyboardInterrupt:
             self.engine.recover()
+            self.messages.append({"role": "assistant", "content": self._answer(pieces, decoder, stop, on_text)})
             raise
-        finally:
-            rest = decoder.flush()
-            if rest:
-                pieces.append(rest)
-                if on_text:
-                    on_text(rest)
-            answer = "".join(pieces)
-            for x in stop:
-                if x in answer:
-                    answer = answer[:answer.index(x)]
-            self.messages.append({"role": "assistant", "content": answer})
+        except Exception:  # out of memory, a failing kernel: the turn is dropped, the conversation kept
+            self.messages = pending[:-1]
+            try:
+                self.engine.recover()
+            except Exception:
+                self.engine.reset()  # the next turn prefills the whole conversation again
+            raise
+        answer = self._answer(pieces, decoder, stop, on_text)
+        self.messages.append({"role": "assistant", "content": answer})
         return answer, stats
+
+    @staticmethod
+    def _answer(pieces: list[str], decoder, stop: tuple[str, ...], on_text) -> str:
+        rest = decoder.flush()
+        if rest:
+            pieces.append(rest)
+            if on_text:
+                on_text(rest)
+        answer = "".join(pieces)
+        for x in stop:
+            if x in answer:
+                answer = answer[:answer.index(x)]
+        return answer
 
     def reset(self) -> None:
         self.engine.reset()

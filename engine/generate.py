@@ -106,7 +106,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             while True:
-                tok = int(self.sampler(logits)[0])
+                tok = int(self.sampler(logits, out)[0])
                 if tok in self.eos_ids:
                     st.stop = "eos"
                     break

@@ -8,6 +8,20 @@ SELECT_MODES = ("channels", "sketch")   # where a sparse layer's approximate sco
 SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
 CHANNEL_RULES = ("paper", "max", "l2")   # how the r channels per KV head are chosen (ops/sparse_select.py)
 
+# The methods each knob changes; under the others it has no effect (the CLI refuses it there).
+KNOB_USERS = {
+    "bits": ("tailorkv",),
+    "budget": ("tailorkv", "streamingllm", "snapkv", "quest"),
+    "sink": ("tailorkv", "streamingllm"),
+    "recent": ("tailorkv",),
+    "channels": ("tailorkv",),
+    "quant_layers": ("tailorkv",),
+    "select": ("tailorkv",),
+    "sketch_bits": ("tailorkv",),
+    "select_rule": ("tailorkv",),
+    "channel_rule": ("tailorkv",),
+}
+
 
 @dataclass
 class MethodSettings:
@@ -51,10 +65,12 @@ class MethodSettings:
             raise ValueError(f"unknown method '{self.method}'; choose one of {', '.join(METHODS)}")
         if self.bits not in (1, 2):
             raise ValueError(f"--bits must be 1 or 2, got {self.bits}")
-        if self.budget < self.sink + self.recent:
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError(f"--sink and --recent must be >= 0, got {self.sink} and {self.recent}")
+        if self.method == "tailorkv" and self.budget < self.sink + self.recent:  # the others check their own
             raise ValueError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}")
         if self.channels < 1:
-            raise ValueError("--channels must be at least 1")
+            raise ValueError(f"--channels must be at least 1, got {self.channels}")
         if self.select not in SELECT_MODES:
             raise ValueError(f"--select {self.select}: use {', '.join(SELECT_MODES)}")
         if self.sketch_bits not in (1, 2):
@@ -65,6 +81,17 @@ class MethodSettings:
             raise ValueError(f"--channel-rule {self.channel_rule}: use {', '.join(CHANNEL_RULES)}")
         if self.dense_layers is not None and any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
             raise ValueError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
+
+    def check_model(self, head_dim: int, n_layers: int) -> None:
+        """Checks that need the model's shape (tailorkv's knobs)."""
+        if self.method != "tailorkv":
+            return
+        if self.channels > head_dim:
+            raise ValueError(f"--channels {self.channels} is more than the model's head dimension ({head_dim}): "
+                             f"use at most {head_dim}")
+        bad = [i for i in self.quant_layers or [] if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"--quant-layers {bad[0]} is out of range: the model has layers 0..{n_layers - 1}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,13 +1,18 @@
-"""What the commands share: one-line user errors, the common options, argument parsing, loading with a
-progress bar, byte formatting. Used by cli.py and the tool commands (engine/bench, evaluation, profiling)."""
+"""What the commands share: one-line user errors (ours and click's), argument parsing, device and dtype
+choice, loading with a progress bar and a load line, byte formatting. The common options live in
+engine/options.py. Used by cli.py and the tool commands (engine/bench, evaluation, profiling)."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import time
 
 import click
 from rich.console import Console
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per message, even in logs
+MIN_CTX = 16
 
 
 class UserError(click.ClickException):
@@ -16,6 +21,34 @@ class UserError(click.ClickException):
     def show(self, file=None):
         from rich.markup import escape
         err.print(f"[bold red]error:[/] {escape(self.message)}", highlight=False, soft_wrap=True)
+
+
+NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
+
+
+class OneLineErrors(click.Group):
+    """A group whose usage errors (bad option value, unknown option, missing argument) print one line,
+    `error: <cause> (see: tailorkv CMD --help)`, instead of click's usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NO_ARGS_HELP as e:  # a bare `tailorkv` shows the help
+            e.show()
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            cmd = e.ctx.command_path if e.ctx is not None else "tailorkv"
+            UserError(f"{e.format_message()} (see: {cmd} --help)").show()
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:  # Ctrl-C outside a chat turn (click turns KeyboardInterrupt into Abort)
+            err.print("interrupted")
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 def friendly(fn):
@@ -47,8 +80,20 @@ def parse_length(text: str, flag: str = "--ctx") -> int:
         raise ValueError(f"{flag} '{text}' is not a length: write e.g. 8192, 8k or 128k") from None
 
 
-def parse_ctx(text: str) -> int:
-    return parse_length(text, "--ctx")
+def parse_ctx(text: str, flag: str = "--ctx") -> int:
+    n = parse_length(text, flag)
+    if n < MIN_CTX:
+        raise UserError(f"{flag} {text} is too small: use at least {MIN_CTX} tokens, e.g. 8k")
+    return n
+
+
+def check_ctx(ctx: int | None, cfg, name: str) -> int:
+    """--ctx against the model (from its config, before loading): the default is min(model, 8k)."""
+    limit = cfg.max_context
+    ctx = ctx if ctx is not None else min(limit, 8192)
+    if ctx > limit:
+        raise UserError(f"--ctx {ctx} is beyond what {name} supports ({limit} tokens): lower --ctx")
+    return ctx
 
 
 def split_list(text: str | None) -> list[str]:
@@ -59,6 +104,31 @@ def split_list(text: str | None) -> list[str]:
         if part and part not in out:
             out.append(part)
     return out
+
+
+def utf8_text(text: str, what: str) -> str:
+    """Command-line and stdin text reach Python with undecodable bytes as lone surrogates: refuse them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{what} holds bytes that are not UTF-8 text: convert it (e.g. iconv -t utf-8)") from None
+    return text
+
+
+def read_text_file(path: str, what: str) -> str:
+    if path == "-":
+        data = sys.stdin.buffer.read()
+    elif os.path.isdir(path):
+        raise UserError(f"{what} {path} is a folder: give a text file")
+    elif not os.path.isfile(path):
+        raise UserError(f"{what} {path}: no such file")
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from None
 
 
 def pick_device(device: str):
@@ -73,89 +143,74 @@ def pick_device(device: str):
         raise UserError(f"--device '{device}' is not a device: use auto, cpu or cuda[:N]") from None
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bf16 itself (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def pick_dtype(dtype: str, device):
+    """auto: bf16 where the device computes in it (CUDA with bf16, CPUs with AVX512-BF16 or AMX), fp16 on
+    older GPUs, else fp32."""
     import torch
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
     return {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}[dtype]
 
 
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+        if threads < 1:
+            raise UserError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def dtype_name(dtype) -> str:
+    return {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(dtype), str(dtype))
+
+
+def load_line(loaded, seconds: float) -> str:
+    """'smollm2-135m: 134.5M parameters, Q4_1 GGUF -> fp32 weights (538 MB), trained context 8192; cpu, 12.3 s'"""
+    params = sum(p.numel() for p in loaded.model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    w = loaded.model.output_weight
+    kind = "GGUF" if loaded.source.startswith("gguf:") else "safetensors"
+    became = dtype_name(w.dtype)
+    if loaded.random:
+        stored = "random"
+    elif loaded.stored and loaded.stored != became:
+        stored = f"{loaded.stored} {kind} ->"
+    else:
+        stored = kind
+    return (f"{loaded.name}: {params / 1e6:.1f}M parameters, {stored} {became} weights ({fmt_bytes(nbytes)}), "
+            f"trained context {loaded.cfg.max_context}; {w.device}, loaded in {seconds:.1f} s")
+
+
 def load_with_progress(model: str, weights, random_weights: bool, device, dtype, quiet: bool = False):
+    """Loads with a progress bar on a terminal's stderr, then prints the load line on stderr (not when quiet)."""
     from rich.progress import Progress, BarColumn, TextColumn, TimeElapsedColumn
     from tailorkv.models.loader import load_model
+    t0 = time.perf_counter()
+    if not err.is_terminal and not quiet:
+        err.print(f"loading {model} ...", soft_wrap=True, markup=False)
     with Progress(TextColumn("[cyan]loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=err, transient=True, disable=quiet) as bar:
+                  TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal) as bar:
         task = bar.add_task(model, total=None)
         loaded = load_model(model, weights, random_weights, device, dtype,
                             progress=lambda i, n: bar.update(task, completed=i, total=n))
+    if not quiet:
+        err.print(f"[dim]{load_line(loaded, time.perf_counter() - t0)}[/]", soft_wrap=True)
     if loaded.random:
         err.print("[yellow]random weights: the model's text is meaningless (use them for speed and memory work)[/]")
     return loaded
-
-
-def check_ctx(ctx: int | None, loaded) -> int:
-    limit = loaded.cfg.max_context
-    ctx = ctx or min(limit, 8192)
-    if ctx > limit:
-        raise UserError(f"--ctx {ctx} is beyond what {loaded.name} supports ({limit} tokens): lower --ctx")
-    if ctx < 16:
-        raise UserError(f"--ctx {ctx} is too small: use at least 16")
-    return ctx
-
-
-def model_options(fn):
-    opts = [
-        click.option("--model", "-m", default="smollm2-135m", show_default=True,
-                     help="config name (see configs/), Hugging Face folder or .gguf file"),
-        click.option("--weights", type=click.Path(), default=None, help="HF folder or .gguf for a config name"),
-        click.option("--random-weights", is_flag=True, help="same-shaped random model (speed/memory work)"),
-        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N"),
-        click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
-
-
-def method_options(fn):
-    from tailorkv.engine.settings import CHANNEL_RULES, METHODS, SELECT_RULES, MethodSettings
-    d = MethodSettings()
-    opts = [
-        click.option("--method", type=click.Choice(METHODS), default="full", show_default=True, help="KV-cache method"),
-        click.option("--bits", type=click.Choice(["1", "2"]), default=str(d.bits), show_default=True,
-                     help="bits of quantized layers"),
-        click.option("--budget", type=int, default=d.budget, show_default=True, help="tokens per sparse layer"),
-        click.option("--sink", type=int, default=d.sink, show_default=True),
-        click.option("--recent", type=int, default=d.recent, show_default=True),
-        click.option("--channels", type=int, default=d.channels, show_default=True, help="r channels per KV head"),
-        click.option("--quant-layers", default=None, help="e.g. 0,1 (default: the model's profile)"),
-        click.option("--select-rule", type=click.Choice(SELECT_RULES), default=d.select_rule, show_default=True,
-                     help="top-K tokens of a KV head from its query heads' scores: summed logits (paper), "
-                          "logsumexp of logits (lse), summed probabilities (psum)"),
-        click.option("--channel-rule", type=click.Choice(CHANNEL_RULES), default=d.channel_rule,
-                     show_default=True, help="r channels per KV head by |group mean of q| (paper), the max over "
-                                             "the group's heads (max) or their L2 norm (l2), times max|K|"),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
-
-
-def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select_rule=None,
-                  channel_rule=None):
-    from tailorkv.engine.settings import MethodSettings
-    ql = None
-    if quant_layers is not None:
-        try:
-            ql = [int(x) for x in quant_layers.split(",") if x.strip()]
-        except ValueError:
-            raise UserError(f"--quant-layers '{quant_layers}' is not a list of layer numbers like 0,1") from None
-    s = MethodSettings(method=method, bits=int(bits), budget=budget, sink=sink, recent=recent,
-                       channels=channels, quant_layers=ql,
-                       **{k: v for k, v in (("select_rule", select_rule), ("channel_rule", channel_rule)) if v})
-    s.validate()
-    return s
 
 
 def fmt_bytes(n: float) -> str:
@@ -163,3 +218,38 @@ def fmt_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24GB', '24G', '512MiB', '1e9' -> bytes (G/M/K without 'B' mean binary units)."""
+    import re
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text or "")
+    if not m:
+        raise ValueError(f"'{text}' is not a size: write e.g. 24GiB, 24GB or 512MiB")
+    num, unit, suffix = float(m.group(1)), m.group(2).upper(), m.group(3) or ""
+    base = 1000 if suffix.lower() == "b" and unit else 1024
+    return int(num * base ** " KMGT".index(unit or " "))
+
+
+def set_memory_limit(limit_bytes: int, device) -> float:
+    """Cap what this process may allocate on the device (weights included); returns the fraction used."""
+    import torch
+    idx = device.index if device.index is not None else torch.cuda.current_device()  # 'cuda' has no index
+    total = torch.cuda.get_device_properties(idx).total_memory
+    frac = float(min(1.0, limit_bytes / total))
+    torch.cuda.set_per_process_memory_fraction(frac, idx)
+    return frac
+
+
+def cap_gpu_memory(text: str | None, device) -> int | None:
+    """--gpu-mem-limit: cap what this process may allocate on the GPU (weights included); the cap in bytes,
+    or None (no cap, or not on a GPU: then a line says it is ignored)."""
+    if not text:
+        return None
+    limit = parse_bytes(text)
+    if device.type != "cuda":
+        err.print("[yellow]--gpu-mem-limit ignored: not running on a GPU[/]")
+        return None
+    frac = set_memory_limit(limit, device)
+    err.print(f"[dim]device memory capped at {fmt_bytes(limit)} ({100 * frac:.1f}% of the GPU), weights included[/]")
+    return limit

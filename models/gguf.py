@@ -5,6 +5,7 @@ import functools
 import importlib.util
 import os
 import re
+import struct
 from typing import Callable
 
 import gguf
@@ -13,6 +14,7 @@ import torch
 
 from tailorkv.models.config import ModelConfig
 from tailorkv.models.errors import LoadError, UnsupportedModel
+from tailorkv.models.gguf_file import GGUFFile
 from tailorkv.models.rope import inv_frequencies
 from tailorkv.models.tokenizer import Tokenizer, end_of_turn_ids
 
@@ -45,28 +47,28 @@ def smollm2_gguf_path() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _reader_cached(path: str, mtime: float, size: int) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)
+def _reader_cached(path: str, mtime: float, size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def open_gguf(path: str) -> gguf.GGUFReader:
-    """Parsing the metadata of a 49k-token vocabulary takes seconds: the last file opened is kept."""
+def open_gguf(path: str) -> GGUFFile:
+    """The file's metadata and tensor views (the last file opened is kept: a load reads it more than once)."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise LoadError(f"{path} does not exist: check the path of the .gguf file")
     st = os.stat(path)
     try:
         return _reader_cached(path, st.st_mtime, st.st_size)
-    except (ValueError, OSError, IndexError) as e:
+    except (ValueError, OSError, IndexError, struct.error, UnicodeDecodeError) as e:
         raise LoadError(f"{path} is not a readable GGUF file ({e}): re-download it") from None
 
 
-def metadata(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def metadata(reader: GGUFFile, key: str, default=None):
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
-def _check_arch(reader: gguf.GGUFReader, path: str) -> None:
+def _check_arch(reader: GGUFFile, path: str) -> None:
     arch = metadata(reader, "general.architecture")
     if arch != "llama":
         raise UnsupportedModel(f"{os.path.basename(path)} is a '{arch}' model: tailorkv runs only GGUF files of "
@@ -76,7 +78,7 @@ def _check_arch(reader: gguf.GGUFReader, path: str) -> None:
                                f"Llama models only; use a dense model")
 
 
-def _rope_scaling(reader: gguf.GGUFReader, head_dim: int, theta: float) -> dict | None:
+def _rope_scaling(reader: GGUFFile, head_dim: int, theta: float) -> dict | None:
     kind = metadata(reader, "llama.rope.scaling.type")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(metadata(reader, "llama.rope.scaling.factor"))}
@@ -98,7 +100,7 @@ def _rope_scaling(reader: gguf.GGUFReader, head_dim: int, theta: float) -> dict 
     return scaling
 
 
-def _config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
+def _config(reader: GGUFFile, path: str) -> ModelConfig:
     _check_arch(reader, path)
 
     def m(key, default=None):
@@ -185,3 +187,21 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32,
 def gguf_tokenizer(path: str) -> Tokenizer:
     reader = open_gguf(path)
     return Tokenizer.from_gguf_metadata(lambda key, default=None: metadata(reader, key, default), path)
+
+
+def sampling_metadata(path: str) -> dict:
+    """llama.cpp's general.sampling.* values, where the file has them."""
+    from tailorkv.engine.sampling import GGUF_KEYS
+    reader = open_gguf(path)
+    return {k: metadata(reader, k) for k in GGUF_KEYS if metadata(reader, k) is not None}
+
+
+def stored_types(path: str) -> str:
+    """The file's type as its metadata names it (e.g. 'Q4_1'), else its tensor types, most common first."""
+    from collections import Counter
+    reader = open_gguf(path)
+    try:
+        return gguf.LlamaFileType(int(metadata(reader, "general.file_type"))).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        counts = Counter(t.tensor_type.name for t in reader.tensors)
+        return "+".join(name for name, _ in counts.most_common())

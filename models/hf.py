@@ -83,3 +83,30 @@ def iter_tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(p, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def generation_config(folder: str) -> dict:
+    """generation_config.json ({} when absent or unreadable: it only sets defaults)."""
+    path = os.path.join(folder, "generation_config.json")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def stored_dtypes(paths: list[str]) -> str:
+    """The dtypes of the checkpoint's tensors as its headers name them, e.g. 'bf16' or 'bf16+fp32'."""
+    names = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
+    seen: list[str] = []
+    for p in paths:
+        with open(p, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for k, v in header.items():
+            if k != "__metadata__":
+                d = names.get(v.get("dtype"), str(v.get("dtype")).lower())
+                if d not in seen:
+                    seen.append(d)
+    return "+".join(seen)

@@ -27,6 +27,9 @@ class LoadedModel:
     name: str
     source: str  # "gguf:PATH", "hf:DIR" or "random"
     family: dict = field(default_factory=dict)  # the configs/NAME.json entry, if any
+    generation: dict = field(default_factory=dict)  # sampling values the model ships (generation_config.json)
+    generation_source: str = ""
+    stored: str = ""  # how the weights are stored in the file, e.g. "Q4_1" or "bf16"
 
     @property
     def random(self) -> bool:
@@ -41,48 +44,104 @@ def read_family(name: str) -> dict:
     path = os.path.join(CONFIG_DIR, f"{name}.json")
     if not os.path.isfile(path):
         raise LoadError(f"unknown model '{name}': use one of {', '.join(family_names())}, "
-                        f"a Hugging Face folder or a .gguf file")
+                        f"a Hugging Face folder or hub id (org/name), or a .gguf file")
     with open(path) as f:
         return json.load(f)
 
 
-def load_model(name: str = DEFAULT_MODEL, weights: str | None = None, random_weights: bool = False,
-               device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               progress: Progress | None = None, seed: int = 0) -> LoadedModel:
-    device = torch.device(device)
+def with_generation(loaded: LoadedModel) -> LoadedModel:
+    """Sampling values: the weights' own (generation_config.json, GGUF metadata), else the family config's."""
+    from tailorkv.engine.sampling import model_defaults
+    if model_defaults(loaded.generation):
+        loaded.generation_source = "the model's generation config"
+    elif loaded.family.get("generation"):
+        loaded.generation = dict(loaded.family["generation"])
+        loaded.generation_source = loaded.generation.get("source") or f"configs/{loaded.family.get('name')}.json"
+    return loaded
+
+
+def resolve(name: str, weights: str | None = None, random_weights: bool = False) -> tuple[dict, str | None]:
+    """(the family entry, the path of the weights) for what the user named. A hub id becomes its snapshot
+    folder in the Hugging Face cache; a family name without --weights takes its shipped weights, if any."""
+    from tailorkv.models import hub
     family: dict = {}
     path = weights
     if name.endswith(".gguf") or os.path.isdir(name) or os.sep in name:
         path = name
     else:
         family = read_family(name)
+    if path is not None and hub.looks_like_hub_id(path):
+        path = hub.snapshot(path)
     if path is None and not random_weights:
         src = family.get("weights", {})
         if "gguf_package" not in src:
-            raise LoadError(f"'{name}' has no weights here: pass --weights DIR (a Hugging Face folder) "
+            raise LoadError(f"'{name}' has no weights here: pass --weights DIR (a Hugging Face folder or hub id) "
                             f"or --random-weights for speed and memory work")
         from tailorkv.models.gguf import smollm2_gguf_path
         path = smollm2_gguf_path()
+    if path is not None and not os.path.exists(path):
+        raise LoadError(f"{path} does not exist: check the path given to --model / --weights")
+    return family, path
+
+
+def peek_config(name: str = DEFAULT_MODEL, weights: str | None = None, random_weights: bool = False) -> ModelConfig:
+    """The model's hyper-parameters without loading its weights (to check arguments first)."""
+    family, path = resolve(name, weights, random_weights)
+    if random_weights and family:
+        return ModelConfig.from_dict(family["arch"])
+    cfg = _config_of(path)
+    check_family(family, cfg, path)
+    return cfg
+
+
+SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size")
+
+
+def _shape(cfg: ModelConfig) -> str:
+    return (f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), "
+            f"MLP {cfg.hidden_dim}, vocabulary {cfg.vocab_size}")
+
+
+def check_family(family: dict, cfg: ModelConfig, path: str) -> None:
+    """Weights given for a named model must have that model's shape (else its label would be a lie)."""
+    if not family or "arch" not in family:
+        return
+    want = ModelConfig.from_dict(family["arch"])
+    if any(getattr(want, f) != getattr(cfg, f) for f in SHAPE_FIELDS):
+        raise LoadError(f"--weights {path} is not {family['name']}: it has {_shape(cfg)}, {family['name']} has "
+                        f"{_shape(want)}; pass that model's weights, or give the path as --model to run it as it is")
+
+
+def load_model(name: str = DEFAULT_MODEL, weights: str | None = None, random_weights: bool = False,
+               device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               progress: Progress | None = None, seed: int = 0) -> LoadedModel:
+    device = torch.device(device)
+    family, path = resolve(name, weights, random_weights)
     if random_weights:
         cfg = ModelConfig.from_dict(family["arch"]) if family else _config_of(path)
         model = _random_model(cfg, device, dtype, seed)
-        return LoadedModel(model, _fallback_tokenizer(cfg), cfg, name, "random", family)
-    if not os.path.exists(path):
-        raise LoadError(f"{path} does not exist: check the path given to --model / --weights")
+        return LoadedModel(model, _fallback_tokenizer(cfg), cfg, name, "random", family, stored="random")
     if path.endswith(".gguf"):
-        from tailorkv.models.gguf import load_gguf, gguf_tokenizer
+        from tailorkv.models.gguf import gguf_tokenizer, load_gguf, sampling_metadata, stored_types
+        check_family(family, _config_of(path), path)
         cfg, tensors = load_gguf(path, dtype=dtype, progress=progress)
         model = _place(cfg, tensors.items(), len(tensors), device, dtype, progress=None)
-        return LoadedModel(model, gguf_tokenizer(path), cfg, family.get("name", _stem(path)), f"gguf:{path}", family)
+        return with_generation(LoadedModel(model, gguf_tokenizer(path), cfg, family.get("name", _stem(path)),
+                                           f"gguf:{path}", family, generation=sampling_metadata(path),
+                                           stored=stored_types(path)))
     from tailorkv.models import hf
     cfg = hf.read_config(path)
+    check_family(family, cfg, path)
     shards = hf.shard_files(path)
     model = _place(cfg, hf.iter_tensors(shards), hf.tensor_count(shards), device, dtype, progress)
     tok = None
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         from tailorkv.models.tokenizer import Tokenizer
         tok = Tokenizer.from_hf_folder(path)
-    return LoadedModel(model, tok, cfg, family.get("name", cfg.name), f"hf:{path}", family)
+    from tailorkv.models.hub import looks_like_hub_id
+    label = family.get("name") or (name if looks_like_hub_id(name) else cfg.name)
+    return with_generation(LoadedModel(model, tok, cfg, label, f"hf:{path}", family,
+                                       generation=hf.generation_config(path), stored=hf.stored_dtypes(shards)))
 
 
 def _stem(path: str) -> str:
@@ -97,9 +156,25 @@ def _config_of(path: str) -> ModelConfig:
     return hf.read_config(path)
 
 
+SMALL_MODEL_BYTES = 2 << 30  # below this the skeleton is built on the CPU, uninitialised (pages never touched)
+
+
 def _skeleton(cfg: ModelConfig) -> Llama:
-    with torch.device("meta"):
-        return Llama(cfg)
+    """The model with its weights' initialisation skipped, to be filled by _place. A small model is built on the
+    CPU: on the meta device torch imports its decompositions first (3.4 s of SmolLM2's load); a large one on
+    the meta device, so that nothing is allocated."""
+    skipped = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
+    saved = {name: getattr(nn.init, name) for name in skipped}
+    per_layer = cfg.dim * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads) + 3 * cfg.dim * cfg.hidden_dim
+    n_bytes = 4 * (cfg.n_layers * per_layer + cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2))
+    try:
+        for name in skipped:
+            setattr(nn.init, name, lambda t, *a, **kw: t)
+        with torch.device("cpu" if n_bytes < SMALL_MODEL_BYTES else "meta"):
+            return Llama(cfg)
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def _finish(model: Llama, device) -> Llama:

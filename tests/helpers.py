@@ -4,6 +4,19 @@ import torch
 
 
 
+def assert_one_line_error(res, *needles):
+    """A user error as the CLI must show it: a non-zero exit, no traceback, and one line `error: ...` naming
+    the cause and the fix, after at most the load progress lines (`loading ...` and the load line)."""
+    text = res.output
+    assert res.exit_code != 0, text
+    assert "Traceback" not in text and res.exc_info[0] is SystemExit, text
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error:"), text
+    assert all(line.startswith("loading ") or " parameters, " in line for line in lines[:-1]), text
+    for n in needles:
+        assert n in lines[-1], text
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert not torch.isnan(a).any() and not torch.isnan(b).any(), "NaN"

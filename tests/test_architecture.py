@@ -7,7 +7,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("engine", "models", "ops", "configs")
 TOOLING = ("tailorkv.cli", "tailorkv.engine.bench", "tailorkv.engine.evaluation", "tailorkv.engine.profiling",
-           "tailorkv.engine.ui", "tailorkv.engine.results")
+           "tailorkv.engine.ui", "tailorkv.engine.options", "tailorkv.engine.repl", "tailorkv.engine.results")
 
 
 def project_modules() -> dict[str, str]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from tailorkv.engine import ui
 from tailorkv.engine.bench import driver as B
 from tailorkv.engine.bench.command import register
 from tailorkv.engine.results import percentile
@@ -96,7 +97,7 @@ def test_unknown_method_is_a_clean_error(tiny, tmp_path):
 def test_bad_sizes_are_clean_errors(tiny, tmp_path):
     r = bench_cmd("--model", tiny, "--ctx", "64", "--decode-steps", "60", "--out", str(tmp_path))
     assert r.exit_code == 1 and "no room for a prompt" in r.output
-    r = bench_cmd("--model", tiny, "--ctx", "8k", "--methods", "full", "--out", str(tmp_path), *FAST)
+    r = bench_cmd("--model", tiny, "--ctx", "8k", "--methods", "full", "--out", str(tmp_path), *FAST[:6])
     assert r.exit_code == 1 and "beyond what the model supports" in r.output
     r = bench_cmd("--model", tiny, "--gpu-mem-limit", "lots", "--out", str(tmp_path), *FAST)
     assert r.exit_code == 1 and "not a size" in r.output
@@ -115,7 +116,8 @@ def test_oom_cell_is_reported_and_the_sweep_goes_on(tiny, tmp_path, monkeypatch)
     monkeypatch.setattr(B, "build_cache", build)
     monkeypatch.chdir(tmp_path)  # default --out: bench/results/<date>-<model>/
     methods = ["streamingllm", "snapkv", "full"]
-    r = bench_cmd("--model", tiny, "--ctx", "128,192", "--methods", ",".join(methods), *FAST)
+    r = bench_cmd("--model", tiny, "--ctx", "128,192", "--methods", ",".join(methods), *FAST[:6], "--budget", "48",
+                  "--sink", "8")
     assert r.exit_code == 0, r.output
     (folder,) = os.listdir(tmp_path / "bench" / "results")
     assert folder.endswith(os.path.basename(tiny))
@@ -131,11 +133,11 @@ def test_oom_cell_is_reported_and_the_sweep_goes_on(tiny, tmp_path, monkeypatch)
 
 
 def test_helpers():
-    assert B.parse_bytes("24GiB") == 24 << 30 and B.parse_bytes("24G") == 24 << 30
-    assert B.parse_bytes("24GB") == 24 * 10 ** 9 and B.parse_bytes("512MiB") == 512 << 20
-    assert B.parse_bytes("1000") == 1000
+    assert ui.parse_bytes("24GiB") == 24 << 30 and ui.parse_bytes("24G") == 24 << 30
+    assert ui.parse_bytes("24GB") == 24 * 10 ** 9 and ui.parse_bytes("512MiB") == 512 << 20
+    assert ui.parse_bytes("1000") == 1000
     with pytest.raises(ValueError):
-        B.parse_bytes("24 apples")
+        ui.parse_bytes("24 apples")
     assert B.is_oom(torch.cuda.OutOfMemoryError("x")) and B.is_oom(RuntimeError("CUDA out of memory"))
     assert not B.is_oom(RuntimeError("shape mismatch")) and not B.is_oom(ValueError("out of memory"))
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
@@ -151,3 +153,27 @@ def test_helpers():
     assert f["hbm_ms"] == pytest.approx(1.5) and f["kv_read_source"] == "tokens_attended"
     cell["stats"]["kv_read_bytes"] = 0  # a policy that says what it reads on the device wins
     assert B.floor_of(cell, 1e9, 1000, plan)["hbm_ms"] == pytest.approx(1.0)
+
+
+def test_cpu_run_output_formats_and_defaults(tiny, tmp_path):
+    """A bare bench fits the model (tiny: 2048 tokens); a CPU run shows no floor or PCIe figures; --output puts
+    only the results on stdout; a budget that covers the context is named."""
+    import csv
+    import json
+    from tailorkv.engine.bench.command import default_ctxs
+    assert default_ctxs(8192) == [8192] and default_ctxs(131072) == [8192, 32768] and default_ctxs(2048) == [2048]
+    args = ["--model", tiny, "--methods", "full,streamingllm", "--decode-steps", "2", "--warmup", "0",
+            "--device", "cpu", "--budget", "4096", "--sink", "4"]
+    r = bench_cmd(*args, "--out", str(tmp_path / "csv"), "--output", "csv")
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(r.stdout.splitlines()))
+    assert [(x["method"], x["ctx"], x["prompt"]) for x in rows] == [("full", "2k", "2030"), ("streamingllm", "2k", "2030")]
+    assert "floor ms" not in rows[0] and "PCIe/tok" not in rows[0] and "peak dev" not in rows[0] and rows[0]["KV"]
+    assert "streamingllm: --budget 4096 covers the whole context at 2k" in r.output
+    assert "[1/2] full @ 2k (2030 prompt tokens): prefill " in r.output  # a log gets a line per cell
+    assert "4300" not in r.output and "floor" not in r.output.split("covers")[-1]
+    r = bench_cmd(*args, "--out", str(tmp_path / "md"), "--output", "md")
+    assert r.exit_code == 0 and r.stdout.startswith("| method | ctx | prompt |") and "| full | 2k | 2030 |" in r.stdout
+    r = bench_cmd(*args, "--out", str(tmp_path / "json"), "--output", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["cells"][0]["prompt_tokens"] == 2030
+    check_png(tmp_path / "json" / "peak_memory.png")

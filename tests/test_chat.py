@@ -72,3 +72,31 @@ def test_context_full_keeps_history(smol):
     with pytest.raises(ContextTooLong):
         chat.send("word " * 3000)
     assert chat.messages == before
+
+
+def test_a_failing_turn_keeps_the_conversation(smol):
+    """Out of memory (or any error) inside a turn: that turn is dropped, the earlier ones stay, the cache is
+    repaired, and the next turn answers as if the failed one never happened."""
+    import torch
+    chat = new_chat(smol)
+    chat.send("My name is Ada.", max_new_tokens=8)
+    before, held = [dict(m) for m in chat.messages], list(chat.engine.tokens)
+    real = chat.engine.model.forward
+    calls = {"n": 0}
+
+    def fail_in_decode(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the prefill and one decode step went through
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*a, **kw)
+
+    chat.engine.model.forward = fail_in_decode
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        chat.send("Tell me a long story.", max_new_tokens=20)
+    del chat.engine.model.forward
+    assert chat.messages == before
+    eng = chat.engine
+    assert eng.cache.length == len(eng.tokens)
+    answer, stats = chat.send("What is my name?", max_new_tokens=12)
+    assert eng.tokens[:len(held)] == held or stats.prompt_tokens > len(held)  # kept, or rebuilt from the history
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]

@@ -1,5 +1,5 @@
-"""`tailorkv run` as a user calls it: a one-shot answer from the default model, and every error a user can
-cause ending in one clear line (cause and fix), a non-zero exit and no traceback."""
+"""`tailorkv run` as a user calls it: a one-shot answer from the default model, the chat's commands, and every
+error a user can cause ending in one clear line (cause and fix), a non-zero exit and no traceback."""
 import json
 
 import pytest
@@ -7,21 +7,11 @@ import torch
 from click.testing import CliRunner
 
 from tailorkv.cli import main
-from helpers import write_tiny_hf
+from helpers import assert_one_line_error as assert_clean_error, write_tiny_hf
 
 
-def call(*args):
-    return CliRunner().invoke(main, list(args))
-
-
-def assert_clean_error(res, *needles):
-    assert res.exit_code != 0
-    text = res.output
-    assert "Traceback" not in text and res.exc_info[0] is SystemExit, text
-    lines = [l for l in text.strip().splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), text
-    for n in needles:
-        assert n in text, text
+def call(*args, **kw):
+    return CliRunner().invoke(main, list(args), **kw)
 
 
 def test_capital_of_france():
@@ -90,12 +80,89 @@ def test_parse_ctx():
 
 
 def test_interactive_chat_commands():
-    res = CliRunner().invoke(main, ["run", "--device", "cpu", "-n", "16"],
-                             input="What is the capital of France?\n/stats\n/foo\n/reset\n/stats\n")
+    lines = [b"What is the capital of France?", b"\xff\xfe caf\xe9?", b"/stats", b"/foo", b"/reset", b"/stats"]
+    res = CliRunner().invoke(main, ["run", "--device", "cpu", "-n", "16", "--temp", "0"],
+                             input=b"\n".join(lines) + b"\n")
     assert res.exit_code == 0, res.output
     out = res.stdout
     assert "Paris" in out
-    assert "context" in out and "KV device" in out            # per-turn stats line
-    assert "unknown command" in out
+    assert "prefill" in out and "reserved" in out and "held" in out  # per-turn stats: held vs reserved
+    assert "not UTF-8" in out and "the chat is kept" in out          # a bad line is refused, the chat goes on
+    assert "unknown command /foo" in out
     assert "conversation cleared" in out
     assert out.count("2 messages") == 1 and "0 messages" in out  # /stats before and after /reset
+    assert "last turn: prefill" in out and "no turn since the start or /reset" in out  # /reset forgets the figures
+    assert "{" not in out.split("/reset")[0].split("Paris")[-1]   # counters are words, not a Python dict
+
+
+# --- arguments checked before the model loads (one line, exit 1) -------------------------------------------
+
+@pytest.mark.parametrize("args, needles", [
+    (["-n", "0"], ["--max-new-tokens must be at least 1"]),
+    (["-n", "-1"], ["--max-new-tokens must be at least 1"]),
+    (["--ctx", "0"], ["--ctx 0 is too small", "at least 16"]),
+    (["--ctx", "-5"], ["--ctx -5 is too small"]),
+    (["--ctx", "100000000"], ["beyond what smollm2-135m supports", "lower --ctx"]),
+    (["--method", "tailorkv", "--channels", "100000"], ["--channels 100000", "at most 64"]),
+    (["--method", "tailorkv", "--quant-layers", "40"], ["--quant-layers 40 is out of range", "0..29"]),
+    (["--quant-layers", "0"], ["--quant-layers has no effect under full", "tailorkv"]),
+    (["--budget", "512"], ["--budget has no effect under full", "streamingllm"]),
+    (["--method", "streamingllm", "--channels", "8"], ["--channels has no effect under streamingllm"]),
+    (["--temp", "-1"], ["--temperature must be >= 0"]),
+    (["--top-p", "0"], ["--top-p must be in (0, 1]"]),
+    (["--min-p", "1.5"], ["--min-p must be in [0, 1)"]),
+    (["--repeat-penalty", "0"], ["--repeat-penalty must be > 0"]),
+    (["-t", "0"], ["--threads must be at least 1"]),
+    (["--bogus"], ["No such option '--bogus'", "tailorkv run --help"]),
+    (["-n", "many"], ["'many' is not a valid integer", "tailorkv run --help"]),
+])
+def test_bad_arguments_are_one_line_before_loading(args, needles):
+    res = call("run", "-p", "hi", "--device", "cpu", *args)
+    assert_clean_error(res, *needles)
+    assert "loading" not in res.output  # refused before the model loads
+
+
+def test_empty_prompt():
+    assert_clean_error(call("run", "-p", ""), "--prompt is empty")
+    assert_clean_error(call("run", "-p", "  \n"), "--prompt is empty")
+
+
+def test_non_utf8_prompt():
+    # the shell hands Python undecodable argv bytes as lone surrogates
+    assert_clean_error(call("run", "-p", b"caf\xe9".decode("utf-8", "surrogateescape")), "not UTF-8", "iconv")
+
+
+def test_prompt_file_errors(tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    assert_clean_error(call("run", "-f", str(bad)), f"--file {bad} is not UTF-8")
+    assert_clean_error(call("run", "-f", str(tmp_path / "nope.txt")), "no such file")
+    assert_clean_error(call("run", "-f", str(tmp_path)), "is a folder")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert_clean_error(call("run", "-f", str(empty)), "is empty")
+    assert_clean_error(call("run", "-f", str(empty), "-p", "hi"), "use one of them")
+    assert_clean_error(call("run", "-f", "-", input=b"\xff\xfe"), "- is not UTF-8")
+
+
+def test_weights_of_another_model_are_refused(tmp_path):
+    from helpers import smollm2_gguf_or_skip
+    res = call("run", "-m", "llama-3.1-8b", "--weights", smollm2_gguf_or_skip(), "-p", "hi")
+    assert_clean_error(res, "is not llama-3.1-8b", "30 layers", "32 layers", "--model")
+    assert "loading" not in res.output
+
+
+def test_weights_folder_of_another_shape(tmp_path):
+    from helpers import write_tiny_folder
+    res = call("run", "-m", "smollm2-135m", "--weights", write_tiny_folder(str(tmp_path / "tiny")), "-p", "hi")
+    assert_clean_error(res, "is not smollm2-135m", "3 layers", "30 layers")
+
+
+def test_version_and_help():
+    res = call("--version")
+    assert res.exit_code == 0 and res.output.strip().startswith("tailorkv ")
+    res = call("run", "--help")
+    assert res.exit_code == 0
+    for flag in ("--file", "--threads", "--temp", "--min-p", "--repeat-penalty", "--repeat-last-n", "greedy",
+                 "generation_config.json"):
+        assert flag in res.output, flag

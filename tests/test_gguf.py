@@ -186,3 +186,35 @@ def test_bad_paths(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(LoadError, match="not a readable GGUF"):
         load_gguf(str(tmp_path / "junk.gguf"))
+
+
+def test_fast_reader_equals_gguf_reader(tmp_path):
+    """models/gguf_file.py reads what gguf.GGUFReader reads: every field, every tensor (F32, F16, Q8_0)."""
+    from tailorkv.models.gguf_file import GGUFFile
+    path = tmp_path / "mixed.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_token_list(["a", "é", "<|eot_id|>"])
+    w.add_token_scores([0.5, -1.0, 2.0])
+    w.add_bool("test.flag", True)
+    w.add_float64("test.f64", 1.25)
+    w.add_array("test.ints", [1, -2, 3])
+    g = np.random.default_rng(0)
+    w.add_tensor("f32", g.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("f16", g.standard_normal((2, 4)).astype(np.float16))
+    q8 = gguf.quants.quantize(g.standard_normal((2, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref, ours = gguf.GGUFReader(str(path)), GGUFFile(str(path))
+    assert {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")} == ours.fields
+    for a, b in zip(ref.tensors, ours.tensors, strict=True):
+        assert (a.name, a.tensor_type, tuple(int(x) for x in a.shape)) == (b.name, b.tensor_type, b.shape)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+    assert np.allclose(gguf.quants.dequantize(ours.tensors[2].data, ours.tensors[2].tensor_type),
+                       gguf.quants.dequantize(ref.tensors[2].data, ref.tensors[2].tensor_type))
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(ValueError, match="truncated"):
+        GGUFFile(str(tmp_path / "cut.gguf"))

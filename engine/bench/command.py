@@ -8,33 +8,108 @@ import click
 from rich.markup import escape
 
 
+DEFAULT_CTXS = (8192, 32768)  # those the model supports; its own context when it supports neither
+GPU_COLUMNS = ("method", "ctx", "prompt", "prefill s", "ms/tok", "p90", "tok/s", "peak dev", "KV dev", "KV host",
+               "PCIe/tok", "floor ms", "%floor", "HBM GB/s")
+CPU_COLUMNS = ("method", "ctx", "prompt", "prefill s", "ms/tok", "p90", "tok/s", "KV", "KV offloaded", "GB/s")
+
+
 def _gib(n) -> str:
     from tailorkv.engine.ui import fmt_bytes
     return "-" if n is None else fmt_bytes(n)
 
 
-def _table(title: str):
+def columns(on_gpu: bool) -> tuple[str, ...]:
+    """On a CPU there is no device peak, no HBM floor and no PCIe: those columns are left out."""
+    return GPU_COLUMNS if on_gpu else CPU_COLUMNS
+
+
+def values(cell: dict, on_gpu: bool) -> dict[str, str]:
+    """The plain text of each column of one cell (the table, --output md and csv)."""
+    from tailorkv.engine.bench.plot import ctx_label
+    row = {"method": cell["method"], "ctx": ctx_label(cell["ctx"]), "prompt": str(cell["prompt_tokens"])}
+    if cell["status"] != "ok":
+        row["prefill s"] = cell["status"].upper()
+        row["ms/tok"] = cell["error"] or ""
+        return row
+    d = cell["decode_ms"]
+    row.update({"prefill s": f"{cell['prefill_s']:.2f}", "ms/tok": f"{d['median']:.2f}", "p90": f"{d['p90']:.2f}",
+                "tok/s": f"{cell['tok_s']:.1f}", "GB/s": f"{cell['achieved_gbps']:.0f}",
+                "HBM GB/s": f"{cell['achieved_gbps']:.0f}"})
+    if on_gpu:
+        f = cell["floor"]
+        row.update({"peak dev": _gib(cell["peak_device_bytes"]), "KV dev": _gib(cell["kv_device_bytes"]),
+                    "KV host": _gib(cell["kv_host_bytes"]), "PCIe/tok": _gib(cell["pcie_bytes_per_token"]),
+                    "floor ms": f"{f['floor_ms']:.2f}", "%floor": f"{100 * f['fraction']:.0f}%"})
+    else:
+        row.update({"KV": _gib(cell["kv_device_bytes"]), "KV offloaded": _gib(cell["kv_host_bytes"])})
+    return row
+
+
+def _table(title: str, on_gpu: bool):
     from rich.table import Table
     t = Table(title=title, title_justify="left", header_style="bold")
-    for name in ("method", "ctx", "prefill s", "ms/tok", "p90", "tok/s", "peak dev", "KV dev", "KV host",
-                 "PCIe/tok", "floor ms", "%floor", "HBM GB/s"):
+    for name in columns(on_gpu):
         t.add_column(name, justify="left" if name == "method" else "right")
     return t
 
 
-def _row(cell: dict) -> list[str]:
-    from tailorkv.engine.bench.plot import ctx_label
-    head = [cell["method"], ctx_label(cell["ctx"])]
+def _row(cell: dict, on_gpu: bool) -> list[str]:
+    row = values(cell, on_gpu)
     if cell["status"] == "oom":
-        return head + ["", "[bold red]OOM[/]"] + [""] * 9
-    if cell["status"] == "error":
-        msg = cell["error"] if len(cell["error"]) <= 60 else cell["error"][:57] + "..."
-        return head + ["", "[red]error[/]", "", "", f"[red]{escape(msg)}[/]"] + [""] * 6
-    d, f = cell["decode_ms"], cell["floor"]
-    return head + [f"{cell['prefill_s']:.2f}", f"{d['median']:.2f}", f"{d['p90']:.2f}", f"{cell['tok_s']:.1f}",
-                   _gib(cell["peak_device_bytes"]), _gib(cell["kv_device_bytes"]), _gib(cell["kv_host_bytes"]),
-                   _gib(cell["pcie_bytes_per_token"]), f"{f['floor_ms']:.2f}", f"{100 * f['fraction']:.0f}%",
-                   f"{cell['achieved_gbps']:.0f}"]
+        row["prefill s"] = "[bold red]OOM[/]"
+        row["ms/tok"] = ""
+    elif cell["status"] == "error":
+        msg = row["ms/tok"] if len(row["ms/tok"]) <= 60 else row["ms/tok"][:57] + "..."
+        row["prefill s"], row["ms/tok"] = "[red]error[/]", f"[red]{escape(msg)}[/]"
+    return [row.get(c, "") for c in columns(on_gpu)]
+
+
+def render(res: dict, fmt: str) -> str:
+    """bench.json as json, or its cells as a markdown or CSV table."""
+    import csv
+    import io
+    import json
+    if fmt == "json":
+        return json.dumps(res, indent=2)
+    on_gpu = res["env"].get("device", "cpu").startswith("cuda")
+    cols = columns(on_gpu)
+    rows = [values(c, on_gpu) for c in res["cells"]]
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(cols)
+        w.writerows([[r.get(c, "") for c in cols] for r in rows])
+        return buf.getvalue().rstrip("\n")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(r.get(c, "").replace("|", "/") for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def cell_line(cell: dict, i: int, n: int) -> str:
+    row = values(cell, on_gpu=False)
+    head = f"[{i}/{n}] {cell['method']} @ {row['ctx']} ({row['prompt']} prompt tokens): "
+    if cell["status"] != "ok":
+        return head + f"{row['prefill s']} {row['ms/tok']}"
+    return head + f"prefill {row['prefill s']} s, decode {row['ms/tok']} ms/token (p90 {row['p90']})"
+
+
+def whole_context_notes(plan) -> list[str]:
+    """Cells where a method's budget covers the whole context: the method then attends to every token."""
+    from tailorkv.engine.bench.plot import ctx_label
+    from tailorkv.engine.settings import KNOB_USERS
+    notes = []
+    for m in plan.methods:
+        budget = plan.settings_for(m).budget
+        covered = [c for c in plan.ctxs if m in KNOB_USERS["budget"] and budget >= c]
+        if covered:
+            notes.append(f"{m}: --budget {budget} covers the whole context at {', '.join(map(ctx_label, covered))}: "
+                         f"it attends to every token there, like full")
+    return notes
+
+
+def default_ctxs(max_context: int) -> list[int]:
+    return [c for c in DEFAULT_CTXS if c <= max_context] or [max_context]
 
 
 def stage_table(cell: dict):
@@ -54,13 +129,14 @@ def stage_table(cell: dict):
 
 
 def register(main: click.Group) -> click.Command:
-    from tailorkv.engine import ui
+    from tailorkv.engine import options, ui
     from tailorkv.engine.settings import METHODS
 
     @main.command()
-    @ui.model_options
-    @ui.method_options
-    @click.option("--ctx", "ctxs", default="8k,32k", show_default=True, help="context lengths, e.g. 8k,32k,128k")
+    @options.model_options
+    @options.method_options
+    @click.option("--ctx", "ctxs", default=None,
+                  help="context lengths, e.g. 8k,32k,128k  [default: 8k,32k, those the model supports]")
     @click.option("--methods", default="full,tailorkv", show_default=True,
                   help=f"comma-separated, from: {', '.join(METHODS)}")
     @click.option("--decode-steps", type=int, default=64, show_default=True, help="timed decode steps per cell")
@@ -71,17 +147,20 @@ def register(main: click.Group) -> click.Command:
     @click.option("--pcie-gbps", type=float, default=55.0, show_default=True, help="PCIe bandwidth for the floor")
     @click.option("--out", type=click.Path(file_okay=False), default=None,
                   help="results folder (default bench/results/<date>-<model>/)")
+    @click.option("--output", "-o", "fmt", type=click.Choice(["json", "md", "csv"]), default=None,
+                  help="also print the results to stdout in this format (the live table goes to stderr)")
     @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random prompts")
     @click.option("--no-cuda-graph", is_flag=True, help="decode eagerly even where a CUDA graph is possible")
     @click.option("--profile", "profile_steps", type=int, default=0, show_default=True,
                   help="GPU: a stage breakdown (kernels, GPU busy, time per stage and stream) of N decode steps")
     @ui.friendly
-    def bench(model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
-              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, no_cuda_graph, profile_steps, **knobs):
+    def bench(model, weights, random_weights, device, dtype, threads, ctxs, methods, decode_steps, warmup, batch,
+              gpu_mem_limit, hbm_gbps, pcie_gbps, out, fmt, seed, no_cuda_graph, profile_steps, **knobs):
         """Latency and memory sweep over methods x context lengths (bench.json + PNG plots)."""
+        ui.set_threads(threads)
         run_bench(click.get_current_context().params, model, weights, random_weights, device, dtype, ctxs, methods,
                   decode_steps, warmup, batch, gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs,
-                  cuda_graph=not no_cuda_graph, profile_steps=profile_steps)
+                  cuda_graph=not no_cuda_graph, fmt=fmt, profile_steps=profile_steps)
 
     # --methods replaces method_options' single --method; its other knobs (--budget, --bits, ...) stay
     bench.params = [p for p in bench.params if p.name != "method"]
@@ -89,13 +168,13 @@ def register(main: click.Group) -> click.Command:
 
 
 def run_bench(params, model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
-              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs, cuda_graph=True, profile_steps=0):
+              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs, cuda_graph=True, fmt=None, profile_steps=0):
     import torch
     from rich.console import Console, Group
     from rich.live import Live
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tailorkv.engine import results as R, ui
+    from tailorkv.engine import options, results as R, ui
     from tailorkv.engine.bench import driver as B
     from tailorkv.engine.bench.plot import plot_all
     from tailorkv.engine.settings import METHODS
@@ -106,26 +185,21 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     bad = [m for m in names if m not in METHODS]
     if bad:
         raise ui.UserError(f"unknown method '{bad[0]}' in --methods: choose from {', '.join(METHODS)}")
-    settings = {m: ui.settings_from(method=m, **knobs) for m in names}
-    plan = B.BenchPlan(ctxs=[ui.parse_ctx(c) for c in ui.split_list(ctxs)], methods=names, settings=settings,
+    options.check_knob_use(click.get_current_context(), names)
+    settings = {m: options.settings_from(method=m, **knobs) for m in names}
+    ctx_list = [ui.parse_ctx(c) for c in ui.split_list(ctxs)] if ctxs is not None else None
+    dev = ui.pick_device(device)
+    limit = ui.parse_bytes(gpu_mem_limit) if gpu_mem_limit else None
+    cfg = options.peek(model, weights, random_weights)
+    options.check_for_model(settings.values(), cfg, click.get_current_context())
+    plan = B.BenchPlan(ctxs=ctx_list or default_ctxs(cfg.max_context), methods=names, settings=settings,
                        decode_steps=decode_steps, warmup=warmup, batch=batch, seed=seed,
                        hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps)
-    plan.validate()
-    dev = ui.pick_device(device)
-    limit = None
-    if gpu_mem_limit:
-        limit = B.parse_bytes(gpu_mem_limit)
-        if dev.type == "cuda":
-            frac = B.set_memory_limit(limit, dev)
-            ui.err.print(f"[dim]device memory capped at {ui.fmt_bytes(limit)} ({100 * frac:.1f}% of the GPU), "
-                          f"weights included[/]")
-        else:
-            ui.err.print("[yellow]--gpu-mem-limit ignored: not running on a GPU[/]")
-            limit = None
+    plan.validate(cfg.max_context)
+    limit = ui.cap_gpu_memory(gpu_mem_limit, dev)
     hbm_measured = B.measure_hbm_gbps(dev)
     torch.manual_seed(seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev))
-    plan.validate(loaded.cfg.max_context)
 
     out = out or R.numbered_dir(loaded.name if not os.path.exists(model) else model, "bench/results", "bench.json")
     json_path = os.path.join(out, "bench.json")
@@ -137,13 +211,17 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     def save():
         R.write_json(json_path, B.results(loaded, plan, cells, env, command, args, hbm_measured, limit))
 
-    con = Console(highlight=False)
+    con = Console(highlight=False, stderr=fmt is not None)  # with --output, stdout holds only that
     if not con.is_terminal:  # a log file: room for every column
-        con = Console(highlight=False, width=max(con.width, 160))
+        con = Console(highlight=False, stderr=fmt is not None, width=max(con.width, 160))
+    on_gpu = dev.type == "cuda"
     dev_name = env["gpu"] or str(dev)
-    floor_note = f"floor: weights + KV read at {hbm_gbps:.0f} GB/s vs PCIe bytes at {pcie_gbps:.0f} GB/s"
-    table = _table(f"{loaded.name} on {dev_name}, batch {batch}, {decode_steps} steps after {warmup} warm-up; "
-                   f"{floor_note}")
+    note = (f"; floor: weights + KV read at {hbm_gbps:.0f} GB/s vs PCIe bytes at {pcie_gbps:.0f} GB/s" if on_gpu
+            else "; prompt = tokens prefilled (ctx less warm-up, timed steps and a margin)")
+    table = _table(f"{loaded.name} on {dev_name}, batch {batch}, {decode_steps} steps after {warmup} warm-up{note}",
+                   on_gpu)
+    for n in whole_context_notes(plan):
+        ui.err.print(f"[yellow]{escape(n)}[/]")
     bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn(), console=con)
     task = bar.add_task("bench", total=len(plan.ctxs) * len(plan.methods))
@@ -155,10 +233,12 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
 
         def on_cell(cell):
             cells.append(cell)
-            table.add_row(*_row(cell))
+            table.add_row(*_row(cell, on_gpu))
             bar.advance(task)
             save()
             live.refresh()
+            if not con.is_terminal:  # a log shows the live table only at the end: a line per cell meanwhile
+                ui.err.print(cell_line(cell, len(cells), len(plan.ctxs) * len(plan.methods)), markup=False)
 
         B.run_sweep(loaded, plan, on_cell=on_cell, on_phase=on_phase)
         bar.update(task, visible=False)
@@ -166,7 +246,8 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     con.print()
     if not cells:
         return
-    pngs = plot_all(B.results(loaded, plan, cells, env, command, args, hbm_measured, limit), out)
+    res = B.results(loaded, plan, cells, env, command, args, hbm_measured, limit)
+    pngs = plot_all(res, out)
     for c in cells:
         if c["status"] != "ok":
             ui.err.print(f"[red]{c['method']} @ {c['ctx']}: {c['status'].upper()}[/] {escape(c['error'])}")
@@ -175,3 +256,5 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
             con.print(stage_table(c))
     ok = sum(c["status"] == "ok" for c in cells)
     con.print(f"{ok}/{len(cells)} cells ok; results in {json_path}, plots {', '.join(pngs)}")
+    if fmt is not None:
+        click.echo(render(res, fmt))

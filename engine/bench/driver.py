@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import statistics
 import time
 import traceback
@@ -74,16 +73,6 @@ class BenchPlan:
 
 # --- sizes and environment ---------------------------------------------------------------------------------
 
-def parse_bytes(text: str) -> int:
-    """'24GiB', '24GB', '24G', '512MiB', '1e9' -> bytes (G/M/K without 'B' mean binary units)."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text or "")
-    if not m:
-        raise ValueError(f"'{text}' is not a size: write e.g. 24GiB, 24GB or 512MiB")
-    num, unit, suffix = float(m.group(1)), m.group(2).upper(), m.group(3) or ""
-    base = 1000 if suffix.lower() == "b" and unit else 1024
-    return int(num * base ** " KMGT".index(unit or " "))
-
-
 def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes of all parameters, bytes one decode step reads): an untied embedding table is read one row
     per token, not whole, so it is left out of the second figure."""
@@ -106,15 +95,6 @@ def process_rss() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def set_memory_limit(limit_bytes: int, device: torch.device) -> float:
-    """Cap what this process may allocate on the device (weights included); returns the fraction used."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()  # 'cuda' has no index
-    total = torch.cuda.get_device_properties(idx).total_memory
-    frac = float(min(1.0, limit_bytes / total))
-    torch.cuda.set_per_process_memory_fraction(frac, idx)
-    return frac
 
 
 def measure_hbm_gbps(device: torch.device, nbytes: int = 512 << 20, iters: int = 20) -> float | None:

@@ -1,5 +1,6 @@
 """PNG plots of a bench.json: decode ms/token vs context and peak memory vs context, one line per method.
-OOM cells are marked with an x at the top of the plot; failed cells are left out."""
+OOM cells are marked with an x at the top of the plot; failed cells are left out. A CPU run has no device peak
+and no HBM floor: its memory plot shows the KV cache each cell held, and its latency plot no floor line."""
 from __future__ import annotations
 
 import os
@@ -69,6 +70,10 @@ def _save(fig, path: str) -> None:
     plt.close(fig)
 
 
+def on_gpu(res: dict) -> bool:
+    return str(res["env"].get("device", "")).startswith("cuda")
+
+
 def plot_decode(res: dict, path: str) -> None:
     fig, ax = _axes(res, "decode latency (median per step; bar to p90)", "ms / token")
     ooms = _lines(ax, res, lambda c: c["decode_ms"]["median"])
@@ -80,7 +85,9 @@ def plot_decode(res: dict, path: str) -> None:
                         fmt="none", ecolor=f"C{i % 10}", capsize=3, alpha=0.6)
     b, w = res["bench"], res["model"]["weight_read_bytes"]
     floor = w / (b["hbm_gbps"] * 1e9) * 1e3
-    ax.axhline(floor, color="k", ls="--", lw=1, label=f"weight-read floor {floor:.2f} ms at {b['hbm_gbps']:.0f} GB/s")
+    if on_gpu(res):
+        ax.axhline(floor, color="k", ls="--", lw=1,
+                   label=f"weight-read floor {floor:.2f} ms at {b['hbm_gbps']:.0f} GB/s")
     if b.get("hbm_gbps_measured"):
         floor = w / (b["hbm_gbps_measured"] * 1e9) * 1e3
         ax.axhline(floor, color="grey", ls=":", lw=1,
@@ -90,13 +97,20 @@ def plot_decode(res: dict, path: str) -> None:
 
 
 def plot_memory(res: dict, path: str) -> None:
-    on_gpu = any(c.get("peak_device_bytes") for c in res["cells"])
-    key, what = ("peak_device_bytes", "peak device memory") if on_gpu else ("host_rss_bytes", "process RSS (CPU run)")
-    fig, ax = _axes(res, what, "GiB")
-    ooms = _lines(ax, res, lambda c: c[key] / GIB if c.get(key) else None)
-    ax.axhline(res["model"]["model_bytes"] / GIB, color="k", ls="--", lw=1, label="weights")
+    gpu = any(c.get("peak_device_bytes") for c in res["cells"])
+    if gpu:
+        fig, ax = _axes(res, "peak device memory (weights included)", "GiB")
+        ooms = _lines(ax, res, lambda c: c["peak_device_bytes"] / GIB if c.get("peak_device_bytes") else None)
+        ax.axhline(res["model"]["model_bytes"] / GIB, color="k", ls="--", lw=1, label="weights")
+    else:  # the process RSS only grows over a sweep: what each cell held is its KV cache
+        def kv(c):
+            return c["kv_device_bytes"] + c["kv_host_bytes"] if c.get("kv_device_bytes") is not None else None
+        most = max((kv(c) or 0 for c in res["cells"]), default=0)
+        unit, scale = ("GiB", GIB) if most >= GIB else ("MiB", 1024 ** 2)
+        fig, ax = _axes(res, "KV cache held per cell (CPU run: KV + offloaded KV, weights not included)", unit)
+        ooms = _lines(ax, res, lambda c: kv(c) / scale if kv(c) is not None else None)
     limit = res["bench"].get("gpu_mem_limit_bytes")
-    if limit and on_gpu:
+    if limit and gpu:
         ax.axhline(limit / GIB, color="r", ls=":", lw=1, label=f"--gpu-mem-limit {limit / GIB:.1f} GiB")
     _finish(ax, ooms)
     _save(fig, path)

@@ -47,14 +47,37 @@ def show(res: dict, con=None) -> None:
         con.print(ft)
 
 
+def same_command(ctx: click.Context, **changes) -> str:
+    """The command line the user typed (its options as given), with `changes` set: {"out": "DIR", "resume": True}."""
+    import shlex
+    from click.core import ParameterSource
+    args = ["tailorkv", ctx.info_name or "eval"]
+    for p in ctx.command.params:
+        if not isinstance(p, click.Option):
+            continue
+        given = ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE
+        if p.name not in changes and not given:
+            continue
+        value = changes.get(p.name, ctx.params.get(p.name))
+        flag = max(p.opts, key=len)
+        if p.is_flag:
+            args += [flag] if value else []
+        elif p.multiple:
+            for v in value:
+                args += [flag, str(v)]
+        elif value is not None:
+            args += [flag, str(value)]
+    return shlex.join(args)
+
+
 def register(main: click.Group) -> list[click.Command]:
-    from tailorkv.engine import ui
+    from tailorkv.engine import options, ui
     from tailorkv.engine.evaluation.tasks import TASKS
     from tailorkv.engine.settings import METHODS
 
     @main.command("eval")
-    @ui.model_options
-    @ui.method_options
+    @options.model_options
+    @options.method_options
     @click.option("--methods", default=DEFAULT_METHODS, show_default=True,
                   help=f"comma-separated, from: {', '.join(METHODS)}")
     @click.option("--lengths", default="4k", show_default=True,
@@ -87,6 +110,7 @@ def register(main: click.Group) -> list[click.Command]:
     @ui.friendly
     def eval_cmd(**kw):
         """Long-context accuracy of every method against the full cache (eval.json + tables + PNG)."""
+        ui.set_threads(kw.pop("threads"))
         knobs = {k: kw.pop(k) for k in list(kw) if k not in EVAL_OPTIONS}
         run_eval(click.get_current_context().params, knobs, **kw)
 
@@ -107,7 +131,7 @@ def register(main: click.Group) -> list[click.Command]:
 def make_plan(knobs: dict, methods, lengths, samples, tasks, seed, budgets, budget_frac, split, protocol,
               max_new_tokens, question, fidelity_tokens):
     """The EvalPlan of the command's options (ValueError naming the option when one is wrong)."""
-    from tailorkv.engine import ui
+    from tailorkv.engine import options
     from tailorkv.engine.evaluation import budgets as B, plan as P
     if budgets is not None and budget_frac is not None:
         raise ValueError("--budgets and --budget-frac both given: use one (--budgets 3% is --budget-frac 0.03)")
@@ -117,7 +141,7 @@ def make_plan(knobs: dict, methods, lengths, samples, tasks, seed, budgets, budg
             raise ValueError(f"--budget-frac must be in (0, 1], got {budget_frac}")
         groups = [B.Budget(f"{budget_frac * 100:g}%", frac=budget_frac)]
     plan = P.EvalPlan(lengths=P.parse_lengths(lengths), methods=P.parse_methods(methods), tasks=P.parse_tasks(tasks),
-                      samples=samples, seed=seed, base=ui.settings_from(method="full", **knobs), budgets=groups,
+                      samples=samples, seed=seed, base=options.settings_from(method="full", **knobs), budgets=groups,
                       split=split, protocol=protocol, max_new_tokens=max_new_tokens,
                       fidelity_tokens=fidelity_tokens, question=question)
     plan.validate()
@@ -136,25 +160,30 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
-    from tailorkv.engine import results as R, ui
+    from tailorkv.engine import options as options_mod, results as R, ui
     from tailorkv.engine.bench.driver import model_info
     from tailorkv.engine.evaluation import driver as D, merge as M, plan as P, prompts, summary as S
     from tailorkv.engine.evaluation.report import write_outputs
     from tailorkv.engine.methods import layer_policies
 
+    click_ctx = click.get_current_context()
     plan = make_plan(knobs, **options)
+    options_mod.check_knob_use(click_ctx, plan.methods)
     shard_t = P.parse_shard(shard)
     if shard_t is not None and not out:
         raise ui.UserError("--shard needs --out DIR: every shard of a run writes into the same folder")
     if resume and not out:
         raise ui.UserError("--resume needs --out DIR: the folder of the run to finish")
     dev = ui.pick_device(device)
+    cfg = options_mod.peek(model, weights, random_weights)
+    too_long = [n for n in plan.lengths if n > cfg.max_context]
+    if too_long:
+        raise ui.UserError(f"--lengths {too_long[0]} is beyond what {model} supports "
+                            f"({cfg.max_context} tokens): lower --lengths")
+    options_mod.check_for_model([plan.settings(m, n, b.label) for m in plan.methods for n in plan.lengths
+                                 for b in plan.budgets], cfg, click_ctx)
     torch.manual_seed(plan.seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev))
-    too_long = [n for n in plan.lengths if n > loaded.cfg.max_context]
-    if too_long:
-        raise ui.UserError(f"--lengths {too_long[0]} is beyond what {loaded.name} supports "
-                            f"({loaded.cfg.max_context} tokens): lower --lengths")
     warnings = D.check_methods(loaded, plan)
     for w in warnings:
         ui.err.print(f"[yellow]warning: {escape(w)}[/]")
@@ -192,12 +221,12 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
     bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TimeRemainingColumn(), console=ui.err, transient=True)
     try:
-        run_items(items, loaded, plan, suites, texts, records, bar, save)
+        run_items(items, loaded, plan, suites, texts, records, bar, save, lines=not ui.err.is_terminal)
     except KeyboardInterrupt:
         save(force=True)
         n_items = len({r["item"] for r in records})
-        raise ui.UserError(f"interrupted: {n_items} items saved in {json_path}; run the same command "
-                            f"with --resume to finish") from None
+        again = same_command(click_ctx, out=out, resume=True)
+        raise ui.UserError(f"interrupted: {n_items} items saved in {json_path}; to finish, run: {again}") from None
     res = S.results(records=records, **common)
     if shard_t is None:
         paths = write_outputs(res, out)
@@ -215,13 +244,27 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
               + (f" (shard {shard_t[0]} of {shard_t[1]}: merge with `tailorkv eval-merge {out}`)" if shard_t else ""))
 
 
-def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
-    """Runs the items in order under the progress bar, appending their records and saving as it goes."""
+def item_line(i: int, n: int, what: str, recs: list[dict]) -> str:
+    """One line per finished item, for logs (where the progress bar does not show)."""
+    parts = []
+    for r in recs:
+        if r["status"] != "ok":
+            parts.append(f"{r['method']} {r['status'].upper()}")
+        elif r.get("score") is not None:
+            parts.append(f"{r['method']} {r['score']:.0f}")
+    wall = sum(r.get("wall_s") or 0.0 for r in recs)
+    return f"[{i}/{n}] {what}: {', '.join(parts) or 'done'} ({wall:.1f} s)"
+
+
+def run_items(items, loaded, plan, suites, texts, records, bar, save, lines: bool = False) -> None:
+    """Runs the items in order under the progress bar (or, with lines, printing a line per item on stderr),
+    appending their records and saving as it goes."""
+    from tailorkv.engine import ui
     from tailorkv.engine.evaluation import driver as D
     from tailorkv.engine.evaluation.plan import length_label
     with bar:
         task = bar.add_task("eval", total=len(items))
-        for it in items:
+        for i, it in enumerate(items, 1):
             what = length_label(it["length"]) + " " + (f"{it['task']} #{it['sample']}" if it["kind"] == "task" else
                                                        f"fidelity {it['method']}")
             bar.update(task, description=what)
@@ -230,6 +273,8 @@ def run_items(items, loaded, plan, suites, texts, records, bar, save) -> None:
             records.extend(recs)
             save(force=any(r["status"] != "ok" for r in recs))
             bar.advance(task)
+            if lines:
+                ui.err.print(item_line(i, len(items), what, recs), markup=False)
 
 
 def run_merge(folder: str, out: str | None) -> None:

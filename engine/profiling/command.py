@@ -22,10 +22,10 @@ METHOD_NOTE = ("last n_q queries, per head softmax(q K^T / sqrt(D)) with the cau
 
 
 def register(main) -> None:
-    from tailorkv.engine import ui
+    from tailorkv.engine import options, ui
 
     @main.command("profile")
-    @ui.model_options
+    @options.model_options
     @click.option("--data", default=None, help="calibration text file (UTF-8)  [default: the built-in text]")
     @click.option("--tau", type=float, default=DEFAULT_TAU, show_default=True,
                   help="P above tau = quantization-friendly layer")
@@ -38,8 +38,9 @@ def register(main) -> None:
     @click.option("--out", default=None,
                   help="profile JSON  [default: configs/profiles/<model>.json]; the PNG goes next to it")
     @ui.friendly
-    def profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out):
+    def profile(model, weights, random_weights, device, dtype, threads, data, tau, length, n_q, top, out):
         """Calibrate the layer types (TailorKV offline identification) and write the model's profile."""
+        ui.set_threads(threads)
         run_profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out)
 
 
@@ -105,7 +106,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     from tailorkv.engine.profiling.plot import plot_profile
 
     from tailorkv import __version__
-    from tailorkv.engine import ui
+    from tailorkv.engine import options, ui
     from tailorkv.engine.results import git_commit, write_files_atomically
 
     err = ui.err
@@ -121,14 +122,14 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
 
     dev = ui.pick_device(device)
     dt = ui.pick_dtype(dtype, dev)
+    limit_ctx = options.peek(model, weights, random_weights).max_context
+    if length is not None and length > limit_ctx:
+        raise ValueError(f"--length {length} is beyond what {model} supports ({limit_ctx} tokens): "
+                         f"lower --length")
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
     tok = loaded.tokenizer
     if tok is None:
         raise ValueError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
-    limit_ctx = loaded.cfg.max_context
-    if length is not None and length > limit_ctx:
-        raise ValueError(f"--length {length} is beyond what {loaded.name} supports ({limit_ctx} tokens): "
-                         f"lower --length")
     want = length if length is not None else min(DEFAULT_LENGTH, limit_ctx)
     bos = [tok.bos_id] if getattr(tok, "add_bos", False) and tok.bos_id is not None else []
     all_ids = bos + tok.encode(text)

@@ -1,0 +1,130 @@
+"""The options the commands share (model, method knobs) and their checks, all made before a model loads:
+a knob that no chosen method uses is refused (KNOB_USERS in engine/settings.py says which method uses which)."""
+from __future__ import annotations
+
+import click
+
+from tailorkv.engine.ui import UserError
+
+
+def model_options(fn):
+    opts = [
+        click.option("--model", "-m", default="smollm2-135m", show_default=True,
+                     help="config name (see configs/), Hugging Face folder or hub id (org/name, from the HF cache "
+                          "or downloaded), or .gguf file"),
+        click.option("--weights", type=click.Path(), default=None,
+                     help="HF folder, hub id or .gguf for a config name (checked against that config)"),
+        click.option("--random-weights", is_flag=True, help="same-shaped random model (speed/memory work)"),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N"),
+        click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
+                     help="auto: bf16 where the device computes in it (GPUs, CPUs with AVX512-BF16/AMX), else fp32"),
+        click.option("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)"),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _users(knob: str) -> str:
+    from tailorkv.engine.settings import KNOB_USERS
+    return ", ".join(KNOB_USERS[knob])
+
+
+def method_options(fn):
+    from tailorkv.engine.settings import CHANNEL_RULES, METHODS, SELECT_MODES, SELECT_RULES, MethodSettings
+    d = MethodSettings()
+    opts = [
+        click.option("--method", type=click.Choice(METHODS), default="full", show_default=True, help="KV-cache method"),
+        click.option("--bits", type=click.Choice(["1", "2"]), default=str(d.bits), show_default=True,
+                     help=f"bits of quantized layers ({_users('bits')})"),
+        click.option("--budget", type=int, default=d.budget, show_default=True,
+                     help=f"tokens per sparse layer ({_users('budget')})"),
+        click.option("--sink", type=int, default=d.sink, show_default=True, help=f"first tokens kept ({_users('sink')})"),
+        click.option("--recent", type=int, default=d.recent, show_default=True,
+                     help=f"last tokens kept ({_users('recent')})"),
+        click.option("--channels", type=int, default=d.channels, show_default=True,
+                     help=f"r channels per KV head, at most the head dimension ({_users('channels')})"),
+        click.option("--quant-layers", default=None,
+                     help=f"e.g. 0,1 (default: the model's profile; {_users('quant_layers')})"),
+        click.option("--select", type=click.Choice(SELECT_MODES), default=d.select, show_default=True,
+                     help="sparse layers' scores: the paper's r channels of K^T from host memory (channels) or "
+                          f"a 1/2-bit key sketch kept on the device (sketch) ({_users('select')})"),
+        click.option("--sketch-bits", type=click.Choice(["1", "2"]), default=str(d.sketch_bits), show_default=True,
+                     help=f"bits of the key sketch ({_users('sketch_bits')})"),
+        click.option("--select-rule", type=click.Choice(SELECT_RULES), default=d.select_rule, show_default=True,
+                     help="top-K tokens of a KV head from its query heads' scores: summed logits (paper), "
+                          f"logsumexp of logits (lse), summed probabilities (psum) ({_users('select_rule')})"),
+        click.option("--channel-rule", type=click.Choice(CHANNEL_RULES), default=d.channel_rule, show_default=True,
+                     help="r channels per KV head by |group mean of q| (paper), the max over the group's heads "
+                          f"(max) or their L2 norm (l2), times max|K| ({_users('channel_rule')})"),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "select", "sketch_bits", "select_rule",
+         "channel_rule")
+
+
+def given_knobs(ctx: click.Context) -> list[str]:
+    """The method knobs the user set (on the command line or through the environment)."""
+    from click.core import ParameterSource
+    given = []
+    for k in KNOBS:
+        src = ctx.get_parameter_source(k)
+        if src in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            given.append(k)
+    return given
+
+
+def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
+    """A knob given while no chosen method uses it is an error (it would be ignored without a word)."""
+    from tailorkv.engine.settings import KNOB_USERS
+    for k in given_knobs(ctx):
+        if not set(KNOB_USERS[k]) & set(methods):
+            flag = "--" + k.replace("_", "-")
+            chosen = ", ".join(methods)
+            raise UserError(f"{flag} has no effect under {chosen}: it applies to {_users(k)}; drop {flag} "
+                            f"or choose one of those methods")
+
+
+def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select="channels", sketch_bits=2,
+                  select_rule=None, channel_rule=None):
+    from tailorkv.engine.settings import MethodSettings
+    ql = None
+    if quant_layers is not None:
+        try:
+            ql = [int(x) for x in quant_layers.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--quant-layers '{quant_layers}' is not a list of layer numbers like 0,1") from None
+    rules = {k: v for k, v in (("select_rule", select_rule), ("channel_rule", channel_rule)) if v}
+    s = MethodSettings(method=method, bits=int(bits), budget=budget, sink=sink, recent=recent, channels=channels,
+                       quant_layers=ql, select=select, sketch_bits=int(sketch_bits), **rules)
+    try:
+        s.validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return s
+
+
+def check_for_model(settings_list, cfg, ctx: click.Context) -> None:
+    """Knobs against the model's shape. Only a --channels the user gave is checked: the default (the paper's
+    12) is cut to a smaller head dimension by the policy."""
+    from dataclasses import replace
+    given = given_knobs(ctx)
+    for s in settings_list:
+        try:
+            (s if "channels" in given else replace(s, channels=1)).check_model(cfg.head_dim, cfg.n_layers)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+
+def peek(model: str, weights, random_weights: bool):
+    """The model's config before loading it (LoadError -> one line)."""
+    from tailorkv.models.errors import LoadError
+    from tailorkv.models.loader import peek_config
+    try:
+        return peek_config(model, weights, random_weights)
+    except LoadError as e:
+        raise UserError(str(e)) from None

@@ -1,0 +1,109 @@
+"""The interactive chat of `tailorkv run`: reads lines, streams answers, prints a stats line per turn, and keeps
+the conversation through every error a turn can meet (Ctrl-C, context full, out of memory, bad input)."""
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+
+from tailorkv.engine.ui import fmt_bytes
+
+HELP = "/reset clears the chat, /stats shows the last turn's figures, /exit quits; Ctrl-C stops an answer, Ctrl-D exits"
+ON_DEVICE_ALL = ("full", "quest")  # methods that keep every token's K and V on the device
+
+
+def kv_line(engine) -> str:
+    """What the KV cache holds against what it reserved: a preallocated cache is mostly empty early on."""
+    c, used, cap = engine.cache, len(engine.tokens), engine.max_len
+    dev, host = c.device_bytes(), c.host_bytes()
+    text = f"KV {used}/{cap} tokens; device {fmt_bytes(dev)} reserved"
+    if c.method in ON_DEVICE_ALL and cap:
+        text += f", {fmt_bytes(dev * used / cap)} held"
+    if host:
+        text += f"; host {fmt_bytes(host)}"
+    return text
+
+
+def turn_line(stats, engine) -> str:
+    return (f"prefill {stats.prompt_tokens} tok at {stats.prefill_tps:.0f} tok/s | "
+            f"decode {stats.new_tokens} tok at {stats.decode_tps:.1f} tok/s | {kv_line(engine)}")
+
+
+def counters_text(stats: dict) -> str:
+    parts = []
+    for k, v in sorted(stats.items()):
+        shown = fmt_bytes(v) if k.startswith("bytes_") or k.endswith("_bytes") else f"{v:g}"
+        parts.append(f"{k.replace('_', ' ')} {shown}")
+    return ", ".join(parts) if parts else "none"
+
+
+def stats_text(chat, last) -> str:
+    eng = chat.engine
+    lines = [f"last turn: {turn_line(last, eng)}" if last else f"no turn since the start or /reset; {kv_line(eng)}",
+             f"{len(chat.messages)} messages; sampling {eng.sampling.describe()}",
+             f"{eng.cache.method} counters (last step): {counters_text(eng.cache.stats())}"]
+    return "\n".join(lines)
+
+
+def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = "") -> None:
+    con = Console(highlight=False, soft_wrap=True)  # long lines wrap in the terminal, not at 80 columns in logs
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    eng = chat.engine
+    con.print(f"[bold]tailorkv[/] {escape(eng.loaded.name)} ({eng.cache.method}) on {eng.device}, "
+              f"context {eng.max_len}; sampling {escape(sampling_note)}.\n[dim]{HELP}[/]")
+    last = None
+    while True:
+        try:
+            text = con.input("[bold green]>>> [/]")  # undecodable bytes arrive as lone surrogates
+        except EOFError:
+            con.print()
+            return
+        except KeyboardInterrupt:
+            con.print()
+            continue
+        cmd = text.strip()
+        if not cmd:
+            continue
+        try:
+            cmd.encode("utf-8")
+        except UnicodeEncodeError:
+            con.print("[bold red]error:[/] that line holds bytes that are not UTF-8 text: type it again "
+                      "(the chat is kept)")
+            continue
+        if cmd in ("/exit", "/quit", "/bye"):
+            return
+        if cmd == "/reset":
+            chat.reset()
+            last = None
+            con.print("[dim]conversation cleared[/]")
+            continue
+        if cmd == "/stats":
+            con.print(f"[dim]{escape(stats_text(chat, last))}[/]")
+            continue
+        if cmd.startswith("/"):
+            con.print(f"[yellow]unknown command {escape(cmd.split()[0])}: {HELP}[/]")
+            continue
+        last = turn(con, chat, text, max_new_tokens, stop) or last
+
+
+def turn(con: Console, chat, text: str, max_new_tokens: int, stop: tuple[str, ...]):
+    """One answer; returns its stats, or None when it failed (the history is kept either way)."""
+    import torch
+    from tailorkv.engine.generate import ContextTooLong
+    eng = chat.engine  # on every error below, chat.send has already kept the history and repaired the cache
+    try:
+        _, stats = chat.send(text, max_new_tokens, stop, on_text=lambda s: con.out(s, end="", highlight=False))
+        con.print()
+        con.print(f"[dim]{turn_line(stats, eng)}[/]")
+        return stats
+    except KeyboardInterrupt:
+        con.print("\n[dim](stopped; the history is kept)[/]")
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        con.print("[bold red]error:[/] the GPU ran out of memory in this turn: /reset, or restart with a lower "
+                  "--ctx or --method tailorkv")
+    except (ContextTooLong, ValueError) as e:
+        con.print(f"[bold red]error:[/] {escape(str(e))}")
+    return None

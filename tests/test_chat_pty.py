@@ -1,0 +1,85 @@
+"""The chat as a person meets it: `tailorkv run` in a pseudo-terminal with the default sampling settings (a fixed
+seed), three turns typed at its prompt. It recalls the name given in turn 1 and never loops on a sentence."""
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import smollm2_gguf_or_skip
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = ">>> "
+TURNS = ["Hi! My name is Zorbak and my favourite number is 417.",
+         "Tell me one short fact about the Moon.",
+         "What is my name?"]
+
+
+class Terminal:
+    """A child process on a pseudo-terminal: type lines, read until the prompt comes back."""
+
+    def __init__(self, args: list[str], env: dict):
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+        os.close(slave)
+        self.seen = ""
+
+    def read_until(self, marker: str, timeout: float) -> str:
+        start, end = len(self.seen), time.monotonic() + timeout
+        while marker not in self.seen[start:]:
+            left = end - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                raise AssertionError(f"no {marker!r} within {timeout} s; the screen so far:\n{self.seen[-3000:]}")
+            ready, _, _ = select.select([self.master], [], [], min(left, 1.0))
+            if ready:
+                try:
+                    self.seen += os.read(self.master, 4096).decode("utf-8", "replace")
+                except OSError:  # the child closed the terminal
+                    pass
+        i = self.seen.index(marker, start)
+        return self.seen[start:i]
+
+    def type(self, line: str) -> None:
+        os.write(self.master, (line + "\n").encode())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+
+
+def plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "")
+
+
+def sentences(text: str) -> list[str]:
+    return [s.strip().lower() for s in re.split(r"(?<=[.!?])\s+|\n+", text) if len(s.strip()) > 3]
+
+
+@pytest.mark.slow
+def test_three_turn_chat_recalls_the_name_and_does_not_loop():
+    smollm2_gguf_or_skip()
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), TERM="xterm", COLUMNS="200")
+    term = Terminal([sys.executable, "-m", "tailorkv.cli", "run", "--device", "cpu", "--seed", "7", "-n", "48"], env)
+    try:
+        banner = term.read_until(PROMPT, 180)
+        assert "temp 0.2, top-k 40, top-p 0.9, min-p 0.05, repeat-penalty 1.1 over 64" in plain(banner)
+        answers = []
+        for text in TURNS:
+            term.type(text)
+            screen = plain(term.read_until(PROMPT, 120))
+            assert "error" not in screen.lower(), screen
+            answer = screen.split(text, 1)[-1].rsplit("prefill ", 1)[0].strip()
+            answers.append(answer)
+            for s in set(sentences(answer)):
+                assert sentences(answer).count(s) <= 2, f"'{s}' repeated in: {answer}"
+        assert "zorbak" in answers[2].lower(), answers
+        term.type("/exit")
+        assert term.proc.wait(timeout=30) == 0
+    finally:
+        term.close()

@@ -1,0 +1,95 @@
+"""What users bring from HF transformers and llama.cpp: a hub id as --model (from a Hugging Face cache built
+here, no network), generation_config.json honoured, -f FILE, the load line."""
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from tailorkv.cli import main
+from helpers import assert_one_line_error, write_tiny_folder
+
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture()
+def hub_cache(tmp_path, monkeypatch):
+    """A Hugging Face cache holding one model, `tiny-org/tiny-llama`, laid out as huggingface_hub lays it."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--tiny-org--tiny-llama"
+    write_tiny_folder(str(repo / "snapshots" / COMMIT), chat_template=TEMPLATE)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return repo / "snapshots" / COMMIT
+
+
+def call(*args, **kw):
+    return CliRunner().invoke(main, list(args), **kw)
+
+
+def test_hub_id_from_the_cache(hub_cache):
+    res = call("run", "-m", "tiny-org/tiny-llama", "-p", "hi", "-n", "3", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    load_line = next(line for line in res.output.splitlines() if "parameters" in line)
+    assert load_line.startswith("tiny-org/tiny-llama: ") and "safetensors" in load_line
+    assert "fp32 weights" in load_line and "trained context 1024" in load_line
+
+
+def test_hub_id_not_in_the_cache_offline(hub_cache):
+    assert_one_line_error(call("run", "-m", "tiny-org/other-model", "-p", "hi"),
+                          "tiny-org/other-model", "HF_HUB_OFFLINE", "hf download")
+
+
+def test_generation_config_sets_the_chat_defaults(hub_cache):
+    (hub_cache / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.3, "top_k": 7}))
+    res = call("run", "-m", str(hub_cache), "-n", "2", "--device", "cpu", "--seed", "1", input="/stats\n/exit\n")
+    assert res.exit_code == 0, res.output
+    assert "temp 0.3, top-k 7, top-p 0.95, min-p 0.05" in res.output
+    assert "temperature, top_k from the model's generation config" in res.output
+    res = call("run", "-m", str(hub_cache), "-n", "2", "--device", "cpu", "--top-k", "3", input="/exit\n")
+    assert "temp 0.3, top-k 3" in res.output  # a flag beats the file
+
+
+def test_prompt_from_a_file(hub_cache, tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("Summarize: the cat sat on the mat.\n", encoding="utf-8")
+    res = call("run", "-m", str(hub_cache), "-f", str(f), "-n", "3", "--device", "cpu", "-t", "1")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip()  # the answer, and nothing else, on stdout
+    assert "parameters" not in res.stdout and "loading" not in res.stdout
+
+
+def test_load_line_of_the_default_model():
+    from helpers import smollm2_gguf_or_skip
+    smollm2_gguf_or_skip()
+    from tailorkv.engine.ui import load_line
+    from tailorkv.models.loader import load_model
+    line = load_line(load_model("smollm2-135m"), 1.0)
+    assert line.startswith("smollm2-135m: 134.5M parameters, Q4_1 GGUF -> fp32 weights")
+    assert "trained context 8192" in line
+
+
+def test_a_model_path_that_is_neither_folder_nor_hub_id(tmp_path):
+    assert_one_line_error(call("run", "-m", str(tmp_path / "a" / "b"), "-p", "hi"), "does not exist")
+    assert not os.path.exists(tmp_path / "a")
+
+
+def test_auto_dtype_is_bf16_where_the_device_computes_in_it(monkeypatch):
+    import torch
+    from tailorkv.engine import ui
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(ui, "cpu_has_bf16", lambda: True)
+    assert ui.pick_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(ui, "cpu_has_bf16", lambda: False)
+    assert ui.pick_dtype("auto", cpu) == torch.float32  # AVX2 emulates bf16: 4x slower prefill
+    assert ui.pick_dtype("bf16", cpu) == torch.bfloat16
+
+
+def test_load_line_says_what_the_weights_became(hub_cache):
+    res = call("run", "-m", str(hub_cache), "-p", "hi", "-n", "2", "--device", "cpu", "--dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    assert "fp32 safetensors -> bf16 weights" in res.output

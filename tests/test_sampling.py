@@ -1,0 +1,64 @@
+"""The sampler's filters and penalty, and where its defaults come from (flag > the model's file > llama.cpp)."""
+import pytest
+import torch
+
+from tailorkv.engine.sampling import LLAMA_CPP_DEFAULTS, Sampler, SamplingParams, resolve
+
+
+def draws(params, logits, n=400, history=()):
+    s = Sampler(params, "cpu")
+    return {int(s(logits, history)[0]) for _ in range(n)}
+
+
+def test_greedy_and_repeat_penalty():
+    logits = torch.tensor([[2.0, 1.9, -1.0, -1.2]])
+    p = SamplingParams(temperature=0, repeat_penalty=1.1)
+    assert int(Sampler(p, "cpu")(logits)[0]) == 0
+    assert int(Sampler(p, "cpu")(logits, history=[0])[0]) == 1      # 2.0 / 1.1 < 1.9
+    s = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=1), "cpu")
+    out = s.penalize(logits, [2, 0])  # only the last token (0) is in the window
+    assert torch.allclose(out, torch.tensor([[1.0, 1.9, -1.0, -1.2]]))
+    out = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=-1), "cpu").penalize(logits, [2, 0])
+    assert torch.allclose(out, torch.tensor([[1.0, 1.9, -2.0, -1.2]]))  # negative logits are multiplied
+    assert torch.equal(Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=0), "cpu").penalize(logits, [0]),
+                       logits)
+
+
+def test_top_k_top_p_min_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert draws(SamplingParams(temperature=1, top_k=2, seed=0), logits) == {0, 1}
+    assert draws(SamplingParams(temperature=1, top_p=0.7, seed=0), logits) == {0, 1}    # 0.5 + 0.3 reach 0.7
+    assert draws(SamplingParams(temperature=1, min_p=0.25, seed=0), logits) == {0, 1, 2}  # 0.15 >= 0.125
+    assert draws(SamplingParams(temperature=1, seed=0), logits) == {0, 1, 2, 3}
+
+
+def test_seed_repeats():
+    logits = torch.randn(1, 1000)
+    p = SamplingParams(temperature=1.0, seed=3)
+    a, b = Sampler(p, "cpu"), Sampler(p, "cpu")
+    assert [int(a(logits)[0]) for _ in range(20)] == [int(b(logits)[0]) for _ in range(20)]
+
+
+def test_defaults_come_from_flags_then_model_then_llama_cpp():
+    p, source = resolve({})
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.8, 40, 0.95, 0.05) and source == "llama.cpp defaults"
+    assert p.repeat_penalty == LLAMA_CPP_DEFAULTS["repeat_penalty"] and p.repeat_last_n == 64
+    model = {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05, "bos_token_id": 1}
+    p, source = resolve({}, model)
+    assert (p.temperature, p.top_p, p.repeat_penalty, p.top_k) == (0.6, 0.9, 1.05, 40)
+    assert "temperature" in source and "llama.cpp" in source
+    p, _ = resolve({"temperature": 1.2, "top_k": 5}, model)
+    assert (p.temperature, p.top_k, p.top_p) == (1.2, 5, 0.9)
+    assert resolve({}, {"do_sample": False, "temperature": 0.6})[0].greedy
+    assert resolve({}, model, greedy=True)[0].greedy and not resolve({"temperature": 0.5}, model, greedy=True)[0].greedy
+    p, _ = resolve({}, {"general.sampling.temp": 0.3, "general.sampling.penalty_last_n": 32})  # GGUF metadata
+    assert (p.temperature, p.repeat_last_n) == (0.3, 32)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"temperature": -0.1}, "--temperature"), ({"top_p": 1.5}, "--top-p"), ({"top_k": -1}, "--top-k"),
+    ({"min_p": -0.1}, "--min-p"), ({"repeat_penalty": 0}, "--repeat-penalty"), ({"repeat_last_n": -2}, "--repeat-last-n"),
+])
+def test_bad_values(flags, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(flags)
