@@ -3,7 +3,8 @@
 # named in STEPS, each under its own time limit, logging to $OUT/<step>.log, and print a summary last.
 #   STEPS="tests kernels fused bench" bash bench/device_session.sh
 # Steps: tests (pytest -m cuda), kernels (bench/kernels.py), fused (bench/fused.py), bench (BENCH_ARGS),
-# sdpa (bench/sdpa_backends.py), equiv / equiv8b (bench/decode_equivalence.py on SmolLM2 / random 8B).
+# sdpa (bench/sdpa_backends.py), equiv / equiv8b (bench/decode_equivalence.py on SmolLM2 / random 8B),
+# chat (bench/chat_scenario.sh: the card's command, two turns at ~120k tokens).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -35,10 +36,13 @@ for s in ${STEPS:-tests}; do
         kernels) step kernels "${KERNELS_LIMIT:-200}" python3 bench/kernels.py --out "$OUT/kernels" ;;
         fused) step fused "${FUSED_LIMIT:-120}" python3 bench/fused.py --out "$OUT/fused" ;;
         bench) step bench "${BENCH_LIMIT:-400}" python3 -m tailorkv.cli bench ${BENCH_ARGS:-} --out "$OUT/bench" ;;
+        bench2) step bench2 "${BENCH2_LIMIT:-300}" python3 -m tailorkv.cli bench ${BENCH2_ARGS:-} --out "$OUT/bench2" ;;
+        bench3) step bench3 "${BENCH3_LIMIT:-300}" python3 -m tailorkv.cli bench ${BENCH3_ARGS:-} --out "$OUT/bench3" ;;
         sdpa) step sdpa "${SDPA_LIMIT:-60}" python3 bench/sdpa_backends.py --out "$OUT/sdpa" ;;
         equiv) step equiv "${EQUIV_LIMIT:-240}" python3 bench/decode_equivalence.py ${EQUIV_ARGS:-} --out "$OUT/equiv" ;;
         equiv8b) step equiv8b "${EQUIV_LIMIT:-240}" python3 bench/decode_equivalence.py --model llama-3.1-8b \
             --random-weights ${EQUIV8B_ARGS:-} --out "$OUT/equiv" ;;
+        chat) step chat "${CHAT_LIMIT:-300}" bash bench/chat_scenario.sh "$OUT/chat" ;;
         *) echo "unknown step $s" ;;
     esac
 done

@@ -188,7 +188,7 @@ def _place(cfg, tensors, total: int, device, dtype, progress: Progress | None) -
     their rows of it."""
     model = _skeleton(cfg)
     params = dict(model.named_parameters())
-    seen = set()
+    seen, stacked = set(), set()
     for n, (name, t) in enumerate(tensors):
         slot = model.checkpoint_slot(name)
         target = slot[0] if slot else name
@@ -206,7 +206,8 @@ def _place(cfg, tensors, total: int, device, dtype, progress: Progress | None) -
         if slot is None:
             setattr(module, pname, nn.Parameter(t.to(device, dtype), requires_grad=False))
         else:
-            if getattr(module, pname).is_meta:
+            if target not in stacked:  # the skeleton's own tensor is a placeholder (meta, or uninitialised)
+                stacked.add(target)
                 setattr(module, pname, nn.Parameter(torch.empty(params[target].shape, device=device, dtype=dtype),
                                                     requires_grad=False))
             getattr(module, pname)[slot[1]:slot[2]].copy_(t)

@@ -3,7 +3,7 @@
 
 `select` runs inside the decode step (device work, static shapes for the layer's plan) and returns absolute
 positions [B, Hkv, K] into the host store; the layer masks the ones past its middle (the selector may return
-them when the middle is shorter than K) and gathers the K and V rows itself.
+them when the middle is shorter than K) and reads their K and V rows itself.
 """
 from __future__ import annotations
 
@@ -28,10 +28,15 @@ class TokenSelector:
 
 
 class ChannelSelector(TokenSelector):
-    """The paper's rule: channel scores |mean over the GQA group of q_hat| * max|K| pick r channels per KV head;
-    their K^T rows over the middle come from host memory; approximate scores of the current query over those
-    channels, summed over the group, pick the top-K tokens per KV head. A middle of at most K tokens is taken
-    whole (no scoring)."""
+    """The paper's path: channel scores (by default the paper's |mean over the GQA group of q_hat| * max|K|) pick
+    r channels per KV head; their K^T rows over the middle come from host memory; approximate scores of the
+    current query over those channels, the group's heads combined by `rule` (the paper's: summed logits; lse /
+    psum: ops.sparse_select.combine_heads), pick the top-K tokens per KV head. A middle of at most K tokens is
+    taken whole (no scoring)."""
+    fetches_ahead = True
+
+    def __init__(self, rule: str = "sum", channel_rule: str = "paper"):
+        self.rule, self.channel_rule = rule, channel_rule
 
     def prefetch(self, layer, q_sel):
         """The r channels per KV head from q_sel and their K^T rows over the middle's bucket, into the layer's
