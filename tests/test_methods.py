@@ -45,11 +45,11 @@ def test_dense_layers_use_the_full_policy():
 def test_selection_rules_are_settings_and_options():
     from click.testing import CliRunner
     from tailorkv.cli import main
-    from tailorkv.engine.ui import settings_from
+    from tailorkv.engine.options import settings_from
     d = MethodSettings()
     assert (d.select_rule, d.channel_rule) == ("lse", "paper") and d.combine_rule == "lse"
     assert MethodSettings(select_rule="paper").combine_rule == "sum"
-    s = settings_from("tailorkv", "2", 61, 15, 15, 12, None, "psum", "max")
+    s = settings_from("tailorkv", "2", 61, 15, 15, 12, None, select_rule="psum", channel_rule="max")
     assert (s.select_rule, s.channel_rule, s.combine_rule) == ("psum", "max", "psum")
     assert settings_from("tailorkv", "2", 61, 15, 15, 12, None).select_rule == d.select_rule
     with pytest.raises(ValueError, match="--select-rule sum: use paper, lse, psum"):

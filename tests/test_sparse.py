@@ -3,6 +3,7 @@
 Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
 
+import math
 import os
 import random
 import zlib
@@ -111,9 +112,10 @@ def test_all_channels_gives_exact_topk(gen, hq, hkv):
 
 @pytest.mark.parametrize("hq,hkv", GQA)
 def test_decode_attends_sink_topk_tail(gen, small_flush, hq, hkv):
-    """Through the cache, with r = D: output = attention over sink + exact top-K middle + tail + new token."""
+    """Through the cache, with r = D and the paper's rule (summed logits of the group): output = attention over
+    sink + exact top-K middle + tail + new token."""
     B, D, P = 1, 16, 80
-    st = settings(budget=4 + 8 + 10, channels=D)
+    st = settings(budget=4 + 8 + 10, channels=D, select_rule="paper")
     sp = One(SparseOffloadCache(spec_of(hq, hkv, D, B), st))
     q, K, V = qkv(gen, B, hq, hkv, P, D)
     sp.attend(q, K, V, 0)
@@ -296,3 +298,48 @@ def test_multi_token_after_prefill_equals_full(gen, small_flush, hq, hkv):
     assert rel_err(sp.attend(q, k, v, P + 7), full.attend(q, k, v, P + 7)) < 1e-5
     assert len(sp.regions()["tail"]) == sp.recent
     assert sp.stats()["tokens_fetched"] == sp.stats()["middle_tokens"] == mid
+
+
+# --- (i) --select sketch: a low-bit key sketch of the middle on the device ---------------------------------
+@pytest.mark.parametrize("bits", [1, 2])
+def test_sketch_big_budget_equals_full(gen, bits):
+    """A budget covering the context: the middle is taken whole, kept a whole number of 64-token groups long
+    across prefill, a second turn and flushes, and every step equals full."""
+    B, hq, hkv, D = 1, 4, 2, 32
+    spec = spec_of(hq, hkv, D, B, max_len=600)
+    st = settings(budget=600, sink=8, recent=16, select="sketch", sketch_bits=bits)
+    sp, full = One(SparseOffloadCache(spec, st)), One(FullCache(spec))
+    pos = 0
+    for T in [150] + [1] * 140 + [37] + [1] * 5:
+        q, k, v = qkv(gen, B, hq, hkv, T, D)
+        assert rel_err(sp.attend(q, k, v, pos), full.attend(q, k, v, pos)) < 1e-5
+        pos += T
+        mid = len(sp.regions()["middle"])
+        assert mid % 64 == 0 and sp.sketch.n == mid and len(sp.regions()["tail"]) < sp.cap
+
+
+def test_sketch_selects_the_top_of_its_dequantized_keys(gen):
+    """The sketch's choice is the top-K of logsumexp over the group of q . dequant(sketch), built here from the
+    true keys with the ops' quantizer."""
+    from tailorkv.ops.quant import dequantize_keys, quantize_keys
+    B, hq, hkv, D, P = 1, 6, 2, 32, 8 + 256 + 16
+    spec = spec_of(hq, hkv, D, B, max_len=400)
+    st = settings(budget=8 + 20 + 16, sink=8, recent=16, select="sketch", sketch_bits=2)
+    sp = One(SparseOffloadCache(spec, st))
+    q, K, V = qkv(gen, B, hq, hkv, P, D)
+    sp.attend(q, K, V, 0)
+    lo, hi = sp.regions()["middle"].start, sp.regions()["middle"].stop
+    assert (lo, hi) == (8, 8 + 256)
+    seen = []
+
+    class Spy(type(sp.selector)):
+        def select(self, layer, q1):
+            seen.append(super().select(layer, q1))
+            return seen[-1]
+    sp.selector = Spy()
+    q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
+    sp.attend(q1, k1, v1, P)
+    deq = dequantize_keys(*quantize_keys(K[:, :, lo:hi], 2, 64), 2, 64)
+    logits = (q1.reshape(B, hkv, hq // hkv, D) @ deq.transpose(-1, -2)) / math.sqrt(D)   # [B, Hkv, G, 256]
+    want = torch.logsumexp(logits, 2).topk(20, -1).indices + lo
+    assert torch.equal(seen[0].sort(-1).values, want.sort(-1).values)

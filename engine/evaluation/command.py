@@ -248,10 +248,11 @@ def item_line(i: int, n: int, what: str, recs: list[dict]) -> str:
     """One line per finished item, for logs (where the progress bar does not show)."""
     parts = []
     for r in recs:
+        name = r["method"] + ("" if r.get("budget") is None else f" @ {r['budget']}")
         if r["status"] != "ok":
-            parts.append(f"{r['method']} {r['status'].upper()}")
+            parts.append(f"{name} {r['status'].upper()}")
         elif r.get("score") is not None:
-            parts.append(f"{r['method']} {r['score']:.0f}")
+            parts.append(f"{name} score {r['score']:.0f}")
     wall = sum(r.get("wall_s") or 0.0 for r in recs)
     return f"[{i}/{n}] {what}: {', '.join(parts) or 'done'} ({wall:.1f} s)"
 
