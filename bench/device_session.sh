@@ -42,6 +42,7 @@ for s in ${STEPS:-tests}; do
         equiv) step equiv "${EQUIV_LIMIT:-240}" python3 bench/decode_equivalence.py ${EQUIV_ARGS:-} --out "$OUT/equiv" ;;
         equiv8b) step equiv8b "${EQUIV_LIMIT:-240}" python3 bench/decode_equivalence.py --model llama-3.1-8b \
             --random-weights ${EQUIV8B_ARGS:-} --out "$OUT/equiv" ;;
+        bisect) step bisect "${BISECT_LIMIT:-400}" bash bench/bisect_kernels.sh ;;
         chat) step chat "${CHAT_LIMIT:-300}" bash bench/chat_scenario.sh "$OUT/chat" ;;
         *) echo "unknown step $s" ;;
     esac
