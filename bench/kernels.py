@@ -1,5 +1,5 @@
 """Device check and timing of every CUDA kernel of ops/ against its torch reference and the stock alternative.
-From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,sparse,approx,topk]
+From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,approx]
 (`quant` stands for qk,av). For each kernel: max relative error against the reference on fresh random inputs at
 2-3 shapes (PASS/FAIL), then the time of one call (CUDA events around replays of a CUDA graph that holds several
 calls, inputs rotating over sets that together exceed the 60 MB L2; median of 50), the bytes it must move, the
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tailorkv.engine.results import environment, write_json
 from tailorkv.ops import dispatch
-from tailorkv.ops.attention import attend_decode, decode_attention, sparse_decode_attention
+from tailorkv.ops.attention import attend_decode
 from tailorkv.ops.host_gather import gather_rows
 from tailorkv.ops.quant import quantize_keys, quantize_values
 from tailorkv.ops.quant_attention import av_quant, qk_quant
@@ -206,48 +206,6 @@ def bench_attend():
     return out
 
 
-def bench_sparse():
-    """The sparse layers' decode attention at Llama-3.1-8B shape: 64 sink + 192 tail slots on the device, 896
-    selected rows per KV head read from pinned host stores of 128k tokens; against the policy's former path
-    (two gather kernels into buffers, cats, the validity mask and decode_attention)."""
-    B, Hq, Hkv, D, S, C, N, K = 1, 32, 8, 128, 64, 192, 131072, 896
-    dt = torch.bfloat16
-    host_k = torch.randn(B, Hkv, N, D, dtype=dt).pin_memory()
-    host_v = torch.randn(B, Hkv, N, D, dtype=dt).pin_memory()
-    dev_k, dev_v = randn(B, Hkv, S + C, D, dtype=dt), randn(B, Hkv, S + C, D, dtype=dt)
-    position, tail_start = torch.tensor([N - 100], device=DEV), torch.tensor(N - 150, device=DEV)
-    q = randn(B, Hq, 1, D, dtype=dt)
-    poss = [torch.randint(S, N - 150, (B, Hkv, K), device=DEV) for _ in range(4)]
-    k = kernel("sparse_decode_attention", q, dev_k, dev_v, host_k, host_v, poss[0], position, tail_start)
-    checks = []
-    for i, pos in enumerate(poss[:2]):
-        if i:
-            pos[..., ::5] = N - 10                                   # past tail_start: masked
-        checks.append(check(f"B={B} Hq={Hq} Hkv={Hkv} S+C={S + C} K={K} N={N} {'some masked' if i else 'all held'}",
-                            k(q, dev_k, dev_v, host_k, host_v, pos, position, tail_start, S),
-                            sparse_decode_attention.reference(q, dev_k, dev_v, host_k, host_v, pos, position,
-                                                              tail_start, S), 2e-2))
-    gather = kernel("gather_rows", host_k, poss[0])
-    kbuf = torch.empty(B, Hkv, K, D, dtype=dt, device=DEV)
-    vbuf = torch.empty_like(kbuf)
-
-    def former(pos):
-        slots = torch.arange(S + C, device=DEV)
-        valid = torch.where(slots < S, slots <= position, slots - S <= position - tail_start).expand(B, Hkv, -1)
-        picked = (pos >= S) & (pos < tail_start)
-        p = torch.where(picked, pos, S)
-        keys = torch.cat([dev_k, gather(host_k, p, DEV, out=kbuf)], 2)
-        vals = torch.cat([dev_v, gather(host_v, p, DEV, out=vbuf)], 2)
-        return decode_attention(q, keys, vals, torch.cat([valid, picked], 2)[:, :, None, :])
-
-    ms, mode = gpu_time([lambda p=p: k(q, dev_k, dev_v, host_k, host_v, p, position, tail_start, S) for p in poss])
-    base_ms, _ = gpu_time([lambda p=p: former(p) for p in poss])
-    pcie = 2 * B * Hkv * K * D * 2
-    return [result("sparse_decode_attention bf16 K=896 S+C=256 host N=128k", checks, ms, mode, pcie, PCIE,
-                   "policy's former path (2 gathers, cats, masks, decode_attention)", base_ms,
-                   dict(device_bytes=2 * B * Hkv * (S + C) * D * 2))]
-
-
 def bench_approx():
     checks = []
     for (B, Hq, Hkv, D, r, N, dt) in ((1, 32, 8, 128, 12, 131072, torch.bfloat16), (2, 9, 3, 64, 8, 1001, torch.float16)):
@@ -270,32 +228,7 @@ def bench_approx():
     return [result(f"approx_scores bf16 r={r} N=128k Hkv=8", checks, ms, mode, nbytes, HBM, "torch reference", base_ms)]
 
 
-def bench_topk():
-    def distinct(B, H, N):
-        return torch.stack([torch.randperm(N * 4, device=DEV)[:N].float() * 1e-3 - 50 for _ in range(B * H)]).reshape(B, H, N)
-
-    checks = []
-    for (B, H, N, kk) in ((1, 8, 131072, 896), (1, 8, 8192, 896), (2, 3, 5001, 64), (1, 2, 1000, 999)):
-        s = distinct(B, H, N + 1)[..., 1:]
-        k = kernel("topk_tokens", s)
-        got = k(s, kk)
-        want = s.topk(kk, dim=-1).indices.sort(-1).values
-        ok = torch.equal(got, want)
-        print(f"  check B={B} H={H} N={N} k={kk}: set {'equal' if ok else 'DIFFERENT'} {'PASS' if ok else 'FAIL'}")
-        checks.append(dict(shape=f"B={B} H={H} N={N} k={kk}", max_rel_err=0.0 if ok else 1.0, bound=0, **{"pass": ok}))
-    out = []
-    for N in (8192, 32768, 131072):
-        sets = [torch.randn(1, 8, N, device=DEV) * 5 for _ in range(n_sets(8 * N * 4))]   # score-like values
-        k = kernel("topk_tokens", sets[0])
-        ms, mode = gpu_time([lambda s=s: k(s, 896) for s in sets])
-        base_ms, _ = gpu_time([lambda s=s: torch.topk(s, 896, dim=-1) for s in sets])
-        out.append(result(f"topk_tokens 8 x {N // 1024}k fp32, k=896", checks, ms, mode, 8 * N * 4, HBM,
-                          "torch.topk", base_ms))
-    return out
-
-
-BENCHES = {"gather": bench_gather, "qk": bench_qk, "av": bench_av, "attend": bench_attend,
-           "sparse": bench_sparse, "approx": bench_approx, "topk": bench_topk}
+BENCHES = {"gather": bench_gather, "qk": bench_qk, "av": bench_av, "attend": bench_attend, "approx": bench_approx}
 
 
 def main():

@@ -1,7 +1,8 @@
 """Dense causal attention with GQA (no repeat of KV heads), for any query offset; decode attention over a
-preallocated buffer with a device-side length (attend_decode) and a sparse layer's fused decode attention over
-its device slots and rows of its pinned host store (sparse_decode_attention); their CUDA kernels are in
-ops/attention_cuda.py and ops/sparse_attention_cuda.py (shared tile code: ops/attention_tiles_cuda.py)."""
+preallocated buffer with a device-side length (attend_decode, its CUDA kernel in ops/attention_cuda.py), and a
+sparse layer's decode attention over its device slots and rows of its pinned host store (sparse_decode_attention:
+the rows gathered zero-copy by gather_rows' kernel, then one masked softmax in torch; it has no kernel of its own
+yet)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tailorkv.ops import attention_cuda, sparse_attention_cuda
+from tailorkv.ops import attention_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 from tailorkv.ops.host_gather import gather_rows
 
@@ -105,7 +106,7 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     S <= pos + pos_offset < tail_start, and then its K and V are row pos + pos_offset of host_k / host_v
     [B, Hkv, N, D] (pinned host memory, read zero-copy by the kernel). Rows that are not held are never read.
     -> [B, Hq, 1, D] in q's dtype; zeros where no key is held.
-    The reference gathers with gather_rows' reference (the positions go to the host: one sync)."""
+    The rows come through gather_rows (its UVA kernel on a GPU: no sync, capturable in a CUDA graph)."""
     B, Hq, _, D = q.shape
     Hkv, SC = dev_k.shape[1], dev_k.shape[2]
     dev = q.device
@@ -118,8 +119,8 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
         absolute = pos.to(dev) + pos_offset
         picked = (absolute >= sink) & (absolute < ts)
         safe = torch.where(picked, absolute, 0).clamp_(0, host_k.shape[2] - 1)
-        rows_k = gather_rows.reference(host_k, safe, dev).float()
-        rows_v = gather_rows.reference(host_v, safe, dev).float()
+        rows_k = gather_rows(host_k, safe, dev).float()
+        rows_v = gather_rows(host_v, safe, dev).float()
         keys, vals = torch.cat([keys, rows_k], 2), torch.cat([vals, rows_v], 2)
         valid = torch.cat([valid, picked], 2)
     keys = keys.masked_fill(~valid[..., None], 0.0)                # never let a row that is not held in
@@ -131,4 +132,3 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     return (probs @ vals).reshape(B, Hq, 1, D).to(q.dtype)
 
 
-register_kernel("sparse_decode_attention", lambda: sparse_attention_cuda.load(sparse_decode_attention.reference))

@@ -13,13 +13,13 @@ GQA: query head h belongs to KV head h // G (G = Hq // Hkv), so q [B, Hq, 1, D] 
    heads' softmax probabilities over the N tokens)
 4. topk_tokens:    the K best tokens per KV head                 -> [B, Hkv, K]
 A CUDA kernel may replace each one through the dispatch rule (ops.dispatch); approx_scores and topk_tokens
-have one (ops/sparse_select_cuda.py, ops/topk_cuda.py).
+have one (ops/sparse_select_cuda.py).
 """
 from __future__ import annotations
 
 import torch
 
-from tailorkv.ops import sparse_select_cuda, topk_cuda
+from tailorkv.ops import sparse_select_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 
 CHANNEL_RULES = ("paper", "max", "l2")
@@ -106,4 +106,3 @@ def topk_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 register_kernel("approx_scores", lambda: sparse_select_cuda.load_approx_scores(approx_scores.reference))
-register_kernel("topk_tokens", lambda: topk_cuda.load(topk_tokens.reference))

@@ -1,8 +1,8 @@
-"""CUDA kernels for the token selection of sparse layers (ops/sparse_select.py): approx_scores and topk_tokens.
+"""CUDA kernel for the token selection of sparse layers (ops/sparse_select.py): approx_scores.
 
 approx_scores: one thread per 8 (bf16/fp16) or 4 (fp32) consecutive tokens of one (batch, KV head), the r
     summed query channels in shared memory, 16-byte loads of each K^T row: a stream at memory speed.
-topk_tokens: ops/topk_cuda.py.
+topk_tokens has none: torch.topk serves.
 """
 from __future__ import annotations
 

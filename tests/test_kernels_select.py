@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tailorkv.ops import dispatch
-from tailorkv.ops.sparse_select import approx_scores, topk_tokens
+from tailorkv.ops.sparse_select import approx_scores
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_kernels_select seed: TAILORKV_SEED={SEED}")
@@ -95,78 +95,9 @@ TOPK_CASES = [(1, 8, 131072, 896), (2, 8, 8191, 1024), (1, 3, 5000, 31), (2, 2, 
               (1, 8, 131072, 8192), (1, 2, 1 << 20, 896), (1, 1, 10000, 9999), (64, 8, 4096, 128)]
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("B,H,N,k", TOPK_CASES)
-def test_topk_tokens_kernel_selects_the_set_of_torch_topk(B, H, N, k):
-    g = torch.Generator().manual_seed(SEED + N + k)
-    wide = distinct_scores(g, B, H, N + 5)
-    for scores in (wide[..., :N].contiguous(), wide[..., 1:N + 1]):   # contiguous rows, and misaligned views
-        kernel = dispatch.kernel_for("topk_tokens", scores)
-        assert kernel is not None, "the topk_tokens kernel did not load (CuPy missing?)"
-        for n in (B * H * min(k, N) * 2, B * H * N * 4):   # poison the blocks the output and scratch reuse
-            torch.full((n,), -1, dtype=torch.int32, device="cuda")
-        got = kernel(scores, k)
-        assert got.shape == (B, H, min(k, N)) and got.dtype == torch.int64
-        assert (got >= 0).all() and (got < N).all()
-        assert (got.diff(dim=-1) > 0).all(), "indices are ascending (hence distinct)"
-        want = scores.topk(min(k, N), dim=-1).indices.sort(-1).values
-        assert torch.equal(got, want)
-        assert torch.equal(kernel(scores, k), got), "a second call (workspace reset) gives the same"
-
-
-@pytest.mark.cuda
-def test_topk_tokens_kernel_takes_the_lowest_tied_indices():
-    scores = torch.tensor([[[1.0, 3.0, 2.0, 2.0, 0.0, 2.0, 3.0, 2.0]]], device="cuda")
-    assert topk_tokens(scores, 4).tolist() == [[[1, 2, 3, 6]]]
-    zeros = topk_tokens(torch.zeros(1, 2, 5000, device="cuda"), 10)
-    assert torch.equal(zeros.cpu(), torch.arange(10).expand(1, 2, 10))
-
-
 def lowest_ties_topk(scores, k):
     """The SET of the k largest, ties at the k-th value broken by the lowest index, ascending (on the CPU)."""
     _, perm = torch.sort(-scores.double().cpu(), dim=-1, stable=True)
     return perm[..., :k].sort(-1).values
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["ties", "all_equal", "neg_inf_padding", "negative"])
-def test_topk_tokens_kernel_on_ties_padding_and_signs(kind):
-    g = torch.Generator().manual_seed(SEED + len(kind))
-    B, H, N, k = 1, 8, 40000, 896
-    s = torch.randn(B, H, N, generator=g) * 3
-    if kind == "ties":
-        s = s.round()                      # a few distinct values: the k-th ties with thousands
-    elif kind == "all_equal":
-        s = torch.full((B, H, N), 0.5)
-    elif kind == "neg_inf_padding":
-        s[..., N - 1500:] = float("-inf")  # the policy's bucket padding past the middle
-    else:
-        s = -s.abs() - 1e4
-    s = s.cuda()
-    kernel = dispatch.kernel_for("topk_tokens", s)
-    got = kernel(s, k)
-    want = lowest_ties_topk(s, k).cuda()
-    assert torch.equal(got, want)
-    assert torch.equal(topk_tokens(s, k), got)
-
-
-@pytest.mark.cuda
-def test_topk_tokens_dispatch_calls_the_kernel_and_replays_in_a_graph(monkeypatch):
-    g = torch.Generator().manual_seed(SEED + 23)
-    scores = distinct_scores(g, 1, 8, 20000)
-    kernel = dispatch.kernel_for("topk_tokens", scores)
-    assert kernel is not None
-    calls = []
-    monkeypatch.setitem(dispatch._KERNELS, "topk_tokens", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    topk_tokens(scores, 896)
-    assert calls == [1]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kernel(scores, 896)
-    for i in range(4):
-        scores.copy_(distinct_scores(g, 1, 8, 20000))
-        if i == 2:
-            scores[..., :100] = 1e9        # the winners move
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, scores.topk(896, dim=-1).indices.sort(-1).values), i
