@@ -22,6 +22,7 @@ class MethodSettings:
     #                            lse / psum = logsumexp of their logits / sum of their softmax probabilities
     channel_rule: str = "paper"  # CHANNEL_RULES: paper = |group mean of q_hat| x max|K|; max = max over the
     #                              group of |q_hat_h| x max|K|; l2 = the group's L2 norm of q_hat x max|K|
+    # (the defaults: eval/results/2026-11-30-cpu-selection-rules)
     quant_layers: list[int] | None = None  # None: from the model's profile
     page: int = 16           # quest page size
     snap_window: int = 32    # snapkv observation window (last prompt queries)
