@@ -37,6 +37,7 @@ class MethodSettings:
     #                            lse / psum = logsumexp of their logits / sum of their softmax probabilities
     channel_rule: str = "paper"  # CHANNEL_RULES: paper = |group mean of q_hat| x max|K|; max = max over the
     #                              group of |q_hat_h| x max|K|; l2 = the group's L2 norm of q_hat x max|K|
+    # (the defaults: eval/results/2026-11-30-cpu-selection-rules)
     select: str = "channels"   # SELECT_MODES: channels = the paper's r channels of K^T fetched from host memory;
     #                            sketch = a low-bit copy of the middle's keys on the device scores every channel
     sketch_bits: int = 2       # bits of the sketch (1 or 2)

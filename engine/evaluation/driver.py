@@ -244,9 +244,9 @@ COUNTS_GENERATED = ("streamingllm", "quest")  # policies whose own rule spends b
 
 def check_methods(loaded, plan: EvalPlan) -> list[str]:
     """Build a tiny cache for every (budget, method, length) setting so configuration errors (no layer profile,
-    a budget a policy refuses) surface once, as one clear message, before any work. Returns warnings: runs
-    whose policy does not say it honors settings.free_generated (a layer attribute `free_generated`), so their
-    budget still counts generated tokens whatever the protocol."""
+    a budget a policy refuses) surface once, as one clear message, before any work. Returns warnings for
+    settings a policy does not say it applies (layer attributes `free_generated`, `select_rule`,
+    `channel_rule` equal to the settings'), so the results are not read as what they are not."""
     from tailorkv.engine.methods import build_cache
     lax: dict[str, None] = {}
     for n in plan.lengths:
@@ -259,9 +259,14 @@ def check_methods(loaded, plan: EvalPlan) -> list[str]:
                 raise ValueError(f"{m} at length {length_label(n)}{where} ({s.budget} tokens = sink {s.sink} + "
                                  f"top-K {s.topk} + recent {s.recent}): {e}") from None
             if s.free_generated:
-                lax.update({layer.name: None for layer in cache.layers if layer.name in COUNTS_GENERATED
+                lax.update({f"{layer.name} does not implement free_generated yet: its budget still counts the "
+                            f"generated tokens (protocol {plan.protocol} asks every method to attend them on top)":
+                            None for layer in cache.layers if layer.name in COUNTS_GENERATED
                             and getattr(layer, "free_generated", None) is not True})
+            for key in ("select_rule", "channel_rule"):
+                lax.update({f"the {layer.name} policy does not apply {key} yet: it ran the paper's rule, not "
+                            f"{key} {getattr(s, key)}": None for layer in cache.layers if layer.name == "sparse"
+                            and getattr(layer, key, "paper") != getattr(s, key)})
     if plan.samples and loaded.tokenizer is None:
         raise ValueError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
-    return [f"{name} does not implement free_generated yet: its budget still counts the generated tokens "
-            f"(protocol {plan.protocol} asks every method to attend them on top)" for name in lax]
+    return list(lax)

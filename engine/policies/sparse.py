@@ -50,6 +50,7 @@ class SparseOffloadCache(LayerCache):
         self.topk = settings.topk
         self.r = min(settings.channels, spec.head_dim)
         self.cap = self.recent + FLUSH
+        self.select_rule, self.channel_rule = settings.select_rule, settings.channel_rule  # what selector applies
         self.sketch, self.align = None, 1  # align: the middle grows by whole multiples of it
         if settings.select == "sketch":
             self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink)
