@@ -104,8 +104,9 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     tail_start: 0-dim int64 tensor, both on q's device (read there: no sync). pos [B, Hkv, K] int64 (or None:
     no host rows): selected positions, absolute after adding pos_offset; a row is held iff
     S <= pos + pos_offset < tail_start, and then its K and V are row pos + pos_offset of host_k / host_v
-    [B, Hkv, N, D] (pinned host memory, read zero-copy by the kernel). Rows that are not held are never read.
-    -> [B, Hq, 1, D] in q's dtype; zeros where no key is held.
+    [B, Hkv, N, D] (pinned host memory, read zero-copy by gather_rows' kernel). Rows that are not held are never
+    read (row 0, a sink, stands in for them, zeroed). Products in the inputs' dtype, softmax in fp32 (as
+    decode_attention). -> [B, Hq, 1, D] in q's dtype; zeros where no key is held.
     The rows come through gather_rows (its UVA kernel on a GPU: no sync, capturable in a CUDA graph)."""
     B, Hq, _, D = q.shape
     Hkv, SC = dev_k.shape[1], dev_k.shape[2]
@@ -114,21 +115,20 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     ts = tail_start.to(dev).reshape(())
     slots = torch.arange(SC, device=dev)
     valid = torch.where(slots < sink, slots <= p, slots - sink <= p - ts).expand(B, Hkv, SC)
-    keys, vals = dev_k.float(), dev_v.float()
+    keys, vals = dev_k, dev_v
     if pos is not None and pos.shape[-1] > 0:
         absolute = pos.to(dev) + pos_offset
         picked = (absolute >= sink) & (absolute < ts)
-        safe = torch.where(picked, absolute, 0).clamp_(0, host_k.shape[2] - 1)
-        rows_k = gather_rows(host_k, safe, dev).float()
-        rows_v = gather_rows(host_v, safe, dev).float()
-        keys, vals = torch.cat([keys, rows_k], 2), torch.cat([vals, rows_v], 2)
+        safe = torch.where(picked, absolute, 0).clamp_(0, host_k.shape[2] - 1)  # row 0 (a sink) stands in
+        keys = torch.cat([keys, gather_rows(host_k, safe, dev)], 2)
+        vals = torch.cat([vals, gather_rows(host_v, safe, dev)], 2)
         valid = torch.cat([valid, picked], 2)
-    keys = keys.masked_fill(~valid[..., None], 0.0)                # never let a row that is not held in
-    vals = vals.masked_fill(~valid[..., None], 0.0)
+    keys = keys.masked_fill(~valid[..., None], 0)                  # never let a row that is not held in
+    vals = vals.masked_fill(~valid[..., None], 0)
     scale = softmax_scale(D) if sm_scale is None else sm_scale
-    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
-    scores = (qg @ keys.transpose(-1, -2) * scale).masked_fill(~valid[:, :, None, :], float("-inf"))
+    qg = q.reshape(B, Hkv, Hq // Hkv, D)
+    scores = (qg @ keys.transpose(-1, -2)).float().mul_(scale).masked_fill(~valid[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, -1).masked_fill(~valid.any(-1)[:, :, None, None], 0.0)  # nothing held: zeros
-    return (probs @ vals).reshape(B, Hq, 1, D).to(q.dtype)
+    return (probs.to(vals.dtype) @ vals).reshape(B, Hq, 1, D).to(q.dtype)
 
 
