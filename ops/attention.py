@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tailorkv.ops import attention_cuda
+from tailorkv.ops import attention_cuda, sparse_attention_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 from tailorkv.ops.host_gather import gather_rows
 
@@ -132,3 +132,5 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     return (probs.to(vals.dtype) @ vals).reshape(B, Hq, 1, D).to(q.dtype)
 
 
+register_kernel("sparse_decode_attention",
+                lambda: sparse_attention_cuda.load(sparse_decode_attention.reference))

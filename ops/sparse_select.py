@@ -6,20 +6,20 @@ GQA: query head h belongs to KV head h // G (G = Hq // Hkv), so q [B, Hq, 1, D] 
    "l2": the group's L2 norm of q_hat * max|K|)
 2. topk_channels:  the r best channels per KV head              -> [B, Hkv, r]
 3. scoring over those r channels only:
-   approx_scores:  q . K summed over the group (the paper's rule)  -> [B, Hkv, N]
+   approx_scores:  q . K summed over the group (the paper's rule), or its lse, in one pass -> [B, Hkv, N]
    head_scores:    q_h . K per query head                          -> [B, Hq, N]
    combine_heads:  one score per KV head from its heads' scores    -> [B, Hkv, N]
    ("sum": summed logits = approx_scores; "lse": logsumexp of the heads' scaled logits; "psum": sum of the
    heads' softmax probabilities over the N tokens)
 4. topk_tokens:    the K best tokens per KV head                 -> [B, Hkv, K]
-A CUDA kernel may replace each one through the dispatch rule (ops.dispatch); approx_scores and topk_tokens
-have one (ops/sparse_select_cuda.py).
+A CUDA kernel may replace each one through the dispatch rule (ops.dispatch); approx_scores (sum and lse) has one
+in ops/sparse_select_cuda.py, topk_tokens in ops/topk_cuda.py.
 """
 from __future__ import annotations
 
 import torch
 
-from tailorkv.ops import sparse_select_cuda
+from tailorkv.ops import sparse_select_cuda, topk_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 
 CHANNEL_RULES = ("paper", "max", "l2")
@@ -56,14 +56,26 @@ def topk_channels(scores: torch.Tensor, r: int) -> torch.Tensor:
 
 @op("approx_scores")
 def approx_scores(q: torch.Tensor, kt_rows: torch.Tensor, channels: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, rule: str = "sum", sm_scale: float = 1.0,
+                  end: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
     """q [B, Hq, 1, D]; kt_rows [B, Hkv, r, N] (rows of K^T for `channels`, N tokens); channels [B, Hkv, r]
-    -> [B, Hkv, N] fp32: sum over the query group of q[channels] . K^T[channels]. With `out` ([B, Hkv, N] fp32)
-    the scores are written there and `out` is returned."""
-    qg = _grouped(q, kt_rows.shape[1])                                    # [B, Hkv, G, D]
-    idx = channels[:, :, None, :].expand(-1, -1, qg.shape[2], -1)
-    qsum = qg.gather(3, idx).sum(2)                                       # [B, Hkv, r]
-    scores = (qsum[:, :, None, :] @ kt_rows.float()).squeeze(2)
+    -> [B, Hkv, N] fp32, one score per KV head and token from the group's logits q_h[channels] . K^T[channels]:
+    rule "sum" (the paper's) their sum = (sum over the group of q[channels]) . K^T[channels]; "lse" the
+    logsumexp of sm_scale * logits (combine_heads). end: a one-element int64 tensor; tokens n with
+    n + offset >= end score -inf (past the scored range). With `out` ([B, Hkv, N] fp32) the scores are written
+    there and `out` is returned."""
+    if rule == "sum":
+        qg = _grouped(q, kt_rows.shape[1])                                # [B, Hkv, G, D]
+        idx = channels[:, :, None, :].expand(-1, -1, qg.shape[2], -1)
+        qsum = qg.gather(3, idx).sum(2)                                   # [B, Hkv, r]
+        scores = (qsum[:, :, None, :] @ kt_rows.float()).squeeze(2)
+    elif rule == "lse":
+        scores = combine_heads(head_scores(q, kt_rows, channels), kt_rows.shape[1], "lse", sm_scale)
+    else:
+        raise ValueError(f"approx_scores: rule {rule!r} is not sum or lse (psum: head_scores + combine_heads)")
+    if end is not None:
+        n = torch.arange(kt_rows.shape[-1], device=scores.device) + offset
+        scores = scores.masked_fill(n >= end.reshape(()).to(scores.device), float("-inf"))
     if out is None:
         return scores
     if out.shape != scores.shape or out.dtype != torch.float32:
@@ -101,8 +113,10 @@ def combine_heads(scores: torch.Tensor, n_kv: int, rule: str = "lse", sm_scale: 
 
 @op("topk_tokens")
 def topk_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [B, Hkv, N] -> token indices [B, Hkv, min(k, N)] (int64, relative to the scored range)."""
+    """scores [B, Hkv, N] -> token indices [B, Hkv, min(k, N)] (int64, relative to the scored range), in no
+    promised order (this reference: best first; the kernel: index order)."""
     return scores.topk(min(k, scores.shape[-1]), dim=-1).indices
 
 
 register_kernel("approx_scores", lambda: sparse_select_cuda.load_approx_scores(approx_scores.reference))
+register_kernel("topk_tokens", lambda: topk_cuda.load(topk_tokens.reference))

@@ -237,3 +237,54 @@ SPARSE_CASES = [  # (B, Hq, Hkv, D, sink, cap, N, K, p, tail_start, dtype)
 ]
 
 
+
+
+def _sparse_case(B, Hq, Hkv, D, sink, cap, N, K, p, ts, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    args = list(sparse_inputs(g, B, Hq, Hkv, D, sink, cap, N, K, p, ts, dtype, device="cuda", pin=True, nan=True))
+    if K == 0:
+        args[3] = args[4] = args[5] = None
+    return args
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,Hq,Hkv,D,sink,cap,N,K,p,ts,dtype", SPARSE_CASES)
+def test_sparse_decode_attention_kernel_equals_reference(B, Hq, Hkv, D, sink, cap, N, K, p, ts, dtype):
+    args = _sparse_case(B, Hq, Hkv, D, sink, cap, N, K, p, ts, dtype, SEED + N + K)
+    kernel = dispatch.kernel_for("sparse_decode_attention", *[a for a in args if a is not None])
+    assert kernel is not None, "the sparse_decode_attention kernel did not load"
+    # fp32 reference on the same (NaN-poisoned, never-read) inputs; the bf16 reference rounds the scores
+    f32 = [t.float() if t is not None and t.is_floating_point() else t for t in args]
+    f32[3:5] = [t.pin_memory() if t is not None else t for t in f32[3:5]]
+    want = sparse_decode_attention.reference(*f32, sink)
+    torch.full((B * Hq * D * 64,), float("nan"), device="cuda")   # poison memory the outputs may reuse
+    got = kernel(*args, sink)
+    assert got.shape == args[0].shape and got.dtype == dtype
+    assert rel_err(got, want) < 1e-2
+    assert rel_err(got, want) <= 1.5 * rel_err(sparse_decode_attention.reference(*args, sink), want) + 4e-3
+
+
+@pytest.mark.cuda
+def test_sparse_decode_attention_kernel_follows_device_scalars_in_a_graph():
+    B, Hq, Hkv, D, sink, cap, N, K = 1, 32, 8, 128, 64, 192, 8192, 896
+    args = _sparse_case(B, Hq, Hkv, D, sink, cap, N, K, 8100, 8000, torch.bfloat16, SEED + 3)
+    q, dev_k, dev_v, host_k, host_v, pos, position, tail_start = args
+    host_k.copy_(torch.nan_to_num(host_k))
+    host_v.copy_(torch.nan_to_num(host_v))
+    dev_k.copy_(torch.nan_to_num(dev_k))
+    dev_v.copy_(torch.nan_to_num(dev_v))
+    kernel = dispatch.kernel_for("sparse_decode_attention", *args)
+    kernel(*args, sink)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(*args, sink)
+    g = torch.Generator().manual_seed(SEED + 4)
+    for p, ts in ((8100, 8000), (8150, 8000), (5000, 4990), (70, 64)):
+        position.fill_(p)
+        tail_start.fill_(ts)
+        pos.copy_(torch.randint(0, N, pos.shape, generator=g).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = sparse_decode_attention.reference(*args, sink)
+        assert rel_err(out, want) < 2e-2

@@ -101,3 +101,77 @@ def lowest_ties_topk(scores, k):
     return perm[..., :k].sort(-1).values
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,Hq,Hkv,D,r,N,dtype,start", APPROX_CASES)
+def test_approx_scores_lse_kernel_with_end_equals_reference(B, Hq, Hkv, D, r, N, dtype, start):
+    g = torch.Generator().manual_seed(SEED + 7 * N + r)
+    q, rows, channels = inputs(g, B, Hq, Hkv, D, r, N, dtype, "cuda")
+    rows = rows[..., start:start + N]
+    kernel = dispatch.kernel_for("approx_scores", q, rows, channels)
+    assert kernel is not None
+    scale, offset = 1 / D ** 0.5, 16
+    for end in (None, torch.tensor([offset + N // 2 + 1], device="cuda"), torch.tensor([3], device="cuda")):
+        want = approx_scores.reference(q, rows, channels, None, "lse", scale, end, offset)
+        out = torch.full((B, Hkv, N), float("nan"), device="cuda")
+        got = kernel(q, rows, channels, out, "lse", scale, end, offset)
+        assert got is out and not torch.isnan(got).any()
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        fin = ~torch.isinf(want)
+        if fin.any():
+            assert rel_err(got[fin], want[fin]) < 1e-5
+        got_sum = kernel(q, rows, channels, None, "sum", 1.0, end, offset)
+        want_sum = approx_scores.reference(q, rows, channels, None, "sum", 1.0, end, offset)
+        assert torch.equal(torch.isinf(got_sum), torch.isinf(want_sum))
+        if fin.any():
+            assert rel_err(got_sum[fin], want_sum[fin]) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,H,N,k", TOPK_CASES)
+def test_topk_tokens_kernel_returns_the_set_of_the_k_largest(B, H, N, k):
+    from tailorkv.ops.sparse_select import topk_tokens
+    g = torch.Generator().manual_seed(SEED + N + k)
+    scores = distinct_scores(g, B, H, N)
+    kernel = dispatch.kernel_for("topk_tokens", scores)
+    assert kernel is not None, "the topk_tokens kernel did not load"
+    got = kernel(scores, k)
+    assert got.shape == (B, H, min(k, N)) and got.dtype == torch.int64
+    assert torch.equal(got.sort(-1).values.cpu(), lowest_ties_topk(scores, min(k, N)))
+    assert torch.equal(topk_tokens(scores, k).sort(-1).values.cpu(), lowest_ties_topk(scores, min(k, N)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["ties", "all-equal", "-inf tail", "view of a wider buffer"])
+def test_topk_tokens_kernel_breaks_ties_by_the_lowest_index(kind):
+    g = torch.Generator().manual_seed(SEED + len(kind))
+    B, H, N, k = 1, 8, 40000, 896
+    if kind == "ties":
+        scores = torch.randint(0, 7, (B, H, N), generator=g).float()
+    elif kind == "all-equal":
+        scores = torch.full((B, H, N), 0.5)
+    elif kind == "-inf tail":
+        scores = torch.randn(B, H, N, generator=g)
+        scores[..., 1000:] = float("-inf")
+    else:
+        scores = torch.randn(B, H, N + 64, generator=g)[..., 7:7 + N]
+    scores = scores.cuda()
+    kernel = dispatch.kernel_for("topk_tokens", scores)
+    got = kernel(scores, k)
+    assert torch.equal(got.sort(-1).values.cpu(), lowest_ties_topk(scores, k))
+
+
+@pytest.mark.cuda
+def test_topk_tokens_kernel_replays_in_a_cuda_graph():
+    g = torch.Generator().manual_seed(SEED)
+    scores = distinct_scores(g, 1, 8, 32768)
+    kernel = dispatch.kernel_for("topk_tokens", scores)
+    kernel(scores, 1024)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(scores, 1024)
+    for _ in range(3):
+        scores.copy_(distinct_scores(g, 1, 8, 32768))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.sort(-1).values.cpu(), lowest_ties_topk(scores, 1024))

@@ -113,3 +113,18 @@ def test_unknown_rules_are_one_clear_error():
         channel_scores(q, k.abs().amax(2), "mean")
     with pytest.raises(ValueError, match="unknown select rule 'max': use sum, lse, psum"):
         combine_heads(torch.zeros(B, HQ, N), HKV, "max")
+
+
+def test_approx_scores_lse_rule_and_end_mask_equal_the_two_step_path():
+    q, k = _data(3)
+    chans = topk_channels(channel_scores(q, k.abs().amax(2)), 6)
+    rows = _rows(k, chans)
+    scale = 1 / math.sqrt(D)
+    want = combine_heads(head_scores(q, rows, chans), HKV, "lse", scale)
+    assert torch.allclose(approx_scores(q, rows, chans, rule="lse", sm_scale=scale), want, atol=1e-5)
+    end, offset = torch.tensor(30), 5  # tokens n with n + 5 >= 30 are past the scored range
+    got = approx_scores(q, rows, chans, rule="lse", sm_scale=scale, end=end, offset=offset)
+    assert torch.equal(torch.isinf(got), (torch.arange(N) >= 25).expand(B, HKV, N))
+    assert torch.allclose(got[..., :25], want[..., :25], atol=1e-5) and (got[..., 25:] < 0).all()
+    with pytest.raises(ValueError, match="psum"):
+        approx_scores(q, rows, chans, rule="psum")

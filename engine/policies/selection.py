@@ -48,16 +48,17 @@ class ChannelSelector(TokenSelector):
 
     def select(self, layer, q):
         lo, n, k = layer.sink, layer.middle_bucket, layer.topk
-        dev = q.device
         if layer.middle_whole:
             return layer.whole_middle(q)
         chans, rows = layer.buffer("channels"), layer.buffer("kt_rows")
-        past = torch.arange(lo, lo + n, device=dev) >= layer.tail_start_dev
-        if self.rule == "sum":  # the paper's: one fused kernel sums the group's logits
-            scores = approx_scores(q, rows, chans, out=layer.buffer("scores")).masked_fill(past, float("-inf"))
+        scale = softmax_scale(q.shape[-1])
+        if self.rule in ("sum", "lse"):  # one fused pass: the paper's summed logits, or their lse
+            scores = approx_scores(q, rows, chans, out=layer.buffer("scores"), rule=self.rule, sm_scale=scale,
+                                   end=layer.tail_start_dev, offset=lo)
         else:
+            past = torch.arange(lo, lo + n, device=q.device) >= layer.tail_start_dev
             logits = head_scores(q, rows, chans).masked_fill(past, float("-inf"))
-            scores = combine_heads(logits, layer.spec.n_kv_heads, self.rule, softmax_scale(q.shape[-1]))
+            scores = combine_heads(logits, layer.spec.n_kv_heads, self.rule, scale)
         return topk_tokens(scores, k) + lo
 
     def channels(self, layer, q_sel):
