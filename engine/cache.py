@@ -120,6 +120,7 @@ class ModelCache:
         for layer in layers:
             layer.scheduler = self.scheduler
         self.on_layer = None  # optional progress callback (layer_idx, n_layers) during multi-token steps
+        self._predicted = None  # (layer, its predicted query) between layer_input and attend
 
     @property
     def max_len(self) -> int:
@@ -134,6 +135,7 @@ class ModelCache:
         """The step of n new tokens after what the cache holds; every policy plans it. positions: a device
         buffer the caller already filled with length .. length + n - 1 (a CUDA graph's static input)."""
         start, end = self.length, self.length + n
+        self._predicted = None
         if end > self.max_len:
             raise ContextFull(end, self.max_len)
         device = self.layers[0].spec.device
@@ -145,16 +147,23 @@ class ModelCache:
         return Step(start, n, positions, bucket, key)
 
     def layer_input(self, i: int, x: torch.Tensor, step: Step) -> None:
-        """Called by the model with layer i's normalized input, before its attention. During decode it lets
-        layer i+1 predict its query from this input (TailorKV's one-layer-early prediction)."""
+        """Called by the model with layer i's normalized input, before its attention. During decode layer i+1
+        predicts its query from this input (TailorKV's one-layer-early prediction); it receives the prediction
+        once layer i's attention is queued (attend), so what it fetches with it shares the PCIe link with the
+        MLP rather than with layer i's own reads of host rows."""
         if self.on_layer is not None and not step.decode:
             self.on_layer(i, len(self.layers))
         nxt = i + 1
         if step.decode and nxt < len(self.layers) and self.layers[nxt].wants_query_prediction:
-            self.layers[nxt].predict_query(self.query_fn(nxt, x, step.positions))
+            self._predicted = (nxt, self.query_fn(nxt, x, step.positions))
 
     def attend(self, i: int, q, k, v, step: Step):
-        return self.layers[i].run(q, k, v, step)
+        out = self.layers[i].run(q, k, v, step)
+        if self._predicted is not None and self._predicted[0] == i + 1:
+            nxt, q_hat = self._predicted
+            self._predicted = None
+            self.layers[nxt].predict_query(q_hat)
+        return out
 
     def finish(self, step: Step) -> None:
         for layer in self.layers:
