@@ -57,6 +57,7 @@ class LayerCache:
 
     name = "base"
     wants_query_prediction = False  # True: the cache feeds predict_query() from the previous layer
+    prefetch_after_attention = False  # True: ... once the previous layer's attention is queued (plan sets it)
     graph_safe = False              # True: a decode step's run() may be captured in a CUDA graph
     selects_tokens = False          # True: attends to a subset of the held tokens (its tokens_attended says how many)
 
@@ -148,14 +149,19 @@ class ModelCache:
 
     def layer_input(self, i: int, x: torch.Tensor, step: Step) -> None:
         """Called by the model with layer i's normalized input, before its attention. During decode layer i+1
-        predicts its query from this input (TailorKV's one-layer-early prediction); it receives the prediction
-        once layer i's attention is queued (attend), so what it fetches with it shares the PCIe link with the
-        MLP rather than with layer i's own reads of host rows."""
+        predicts its query from this input (TailorKV's one-layer-early prediction). A layer whose fetch is small
+        (`prefetch_after_attention`) receives it once layer i's attention is queued (attend), so what it fetches
+        shares the PCIe link with the MLP rather than with layer i's own reads of host rows; a larger fetch
+        starts at once, to have the whole layer to run in."""
         if self.on_layer is not None and not step.decode:
             self.on_layer(i, len(self.layers))
         nxt = i + 1
         if step.decode and nxt < len(self.layers) and self.layers[nxt].wants_query_prediction:
-            self._predicted = (nxt, self.query_fn(nxt, x, step.positions))
+            q_hat = self.query_fn(nxt, x, step.positions)
+            if self.layers[nxt].prefetch_after_attention:
+                self._predicted = (nxt, q_hat)
+            else:
+                self.layers[nxt].predict_query(q_hat)
 
     def attend(self, i: int, q, k, v, step: Step):
         out = self.layers[i].run(q, k, v, step)
