@@ -24,6 +24,8 @@ def main():
     ap.add_argument("--layers", default="10,11", help="layer indices to print, counted by --marker kernels")
     ap.add_argument("--marker", default="rope_", help="a kernel launched once per layer")
     ap.add_argument("--n-layers", type=int, default=32)
+    ap.add_argument("--per-layer", type=int, default=2, help="marker kernels per layer (rope: the layer's own "
+                    "query and keys, and the next layer's predicted query)")
     ap.add_argument("--gap-us", type=float, default=2.0)
     a = ap.parse_args()
     with open(a.trace) as f:
@@ -45,7 +47,7 @@ def main():
         print(f"  {t:9.1f} {n:5d}  {name}")
     marks = [i for i, e in enumerate(ev) if a.marker in e["name"] and e["stream"] == compute]
     want = [int(x) for x in a.layers.split(",")]
-    last = marks[-a.n_layers:]  # the last step's layers
+    last = marks[-a.n_layers * a.per_layer:][::a.per_layer]  # the last step's layers
     lo_i = last[min(want)] if last else 0
     hi_i = last[max(want) + 1] if last and max(want) + 1 < len(last) else len(ev)
     t0 = ev[lo_i]["ts"]
