@@ -288,3 +288,20 @@ def test_sparse_decode_attention_kernel_follows_device_scalars_in_a_graph():
         torch.cuda.synchronize()
         want = sparse_decode_attention.reference(*args, sink)
         assert rel_err(out, want) < 2e-2
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Tq,offset,D,score_bytes", [(1, 8, 2, 5, 40, 16, None), (2, 6, 3, 17, 100, 8, None),
+                                                            (1, 8, 2, 9, 50, 16, 4 * 8 * 59 * 3)])
+def test_causal_attention_of_a_later_turn_equals_masked_sdpa(monkeypatch, B, Hq, Hkv, Tq, offset, D, score_bytes):
+    from tailorkv.ops import attention
+    if score_bytes is not None:  # query chunks of 3 rows
+        monkeypatch.setattr(attention, "SCORE_BYTES", score_bytes)
+    g = torch.Generator().manual_seed(SEED + Tq)
+    q = torch.randn(B, Hq, Tq, D, generator=g)
+    k, v = (torch.randn(B, Hkv, offset + Tq, D, generator=g) for _ in range(2))
+    got = attention.causal_attention(q, k, v, offset)
+    seen = torch.arange(offset, offset + Tq)[:, None] >= torch.arange(offset + Tq)[None, :]
+    G = Hq // Hkv
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+                                                            attn_mask=seen)
+    assert rel_err(got, want) < 1e-5

@@ -96,18 +96,23 @@ class SparseOffloadCache(LayerCache):
                 "middle": range(self.sink, self.tail_start),
                 "tail": range(self.tail_start, max(self.tail_start, self.held))}
 
-    def held_kv(self, pending: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every held token's K and V in position order, on the device (tests and probes; copies the middle).
-        pending: also the tokens of the step in flight that run() already put on the device (inside run)."""
+    def held_kv(self, pending: int = 0, new=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every held token's K and V in position order, on the device (copies the middle back).
+        pending: also the tokens of the step in flight that run() already put on the device (inside run);
+        new: (k, v) of tokens not held yet, appended in the same allocation (no second copy of the whole)."""
         n = self.held + pending
         dev, ns, tl = self.spec.device, min(self.sink, n), max(0, n - self.tail_start)
         lo, hi = self.sink, self.tail_start
-        k, v = (torch.empty(*b.shape[:2], ns + (hi - lo) + tl, b.shape[3], dtype=b.dtype, device=dev)
+        held = ns + (hi - lo) + tl
+        extra = 0 if new is None else new[0].shape[2]
+        k, v = (torch.empty(*b.shape[:2], held + extra, b.shape[3], dtype=b.dtype, device=dev)
                 for b in (self.dev_k, self.dev_v))
-        for dst, src, host in ((k, self.dev_k, self.host_k), (v, self.dev_v, self.host_v)):
+        for i, (dst, src, host) in enumerate(((k, self.dev_k, self.host_k), (v, self.dev_v, self.host_v))):
             dst[:, :, :ns] = src[:, :, :ns]
             host_copy(dst[:, :, ns:ns + hi - lo], host[:, :, lo:hi])  # one DMA of the strided middle
-            dst[:, :, ns + hi - lo:] = src[:, :, lo:lo + tl]
+            dst[:, :, ns + hi - lo:held] = src[:, :, lo:lo + tl]
+            if new is not None:
+                dst[:, :, held:] = new[i]
         return k, v
 
     def truncate(self, length: int) -> None:
@@ -205,8 +210,8 @@ class SparseOffloadCache(LayerCache):
         """Exact causal attention over all held tokens (middle fetched whole) and the new ones."""
         if start == 0:
             return causal_attention(q, k, v, 0)
-        keys, vals = self.held_kv()
-        return causal_attention(q, torch.cat([keys, k], 2), torch.cat([vals, v], 2), start)
+        keys, vals = self.held_kv(new=(k, v))
+        return causal_attention(q, keys, vals, start)
 
     def _decode(self, q, k, v, q_hat, prefetched, p):
         S = self.sink
@@ -230,7 +235,8 @@ class SparseOffloadCache(LayerCache):
     def _store(self, k, v) -> None:
         """Append a multi-token step's tokens at positions held..: the sink first, then the tail; all but
         the tail's newest `recent` tokens go to the host store."""
-        torch.maximum(self.kmax, k.abs().amax(2).float(), out=self.kmax)
+        for s in range(0, k.shape[2], STORE_CHUNK):  # |K| of a long prompt in chunks: no [T] sized temporary
+            torch.maximum(self.kmax, k[:, :, s:s + STORE_CHUNK].abs().amax(2).float(), out=self.kmax)
         start, end, S = self.held, self.held + k.shape[2], self.sink
         ns = max(0, min(S, end) - start)
         if ns:
@@ -267,12 +273,14 @@ class SparseOffloadCache(LayerCache):
     def _to_host(self, k, v, pos: int) -> None:
         """Write tokens [pos, pos + m) to the host store on the copy stream (K^T transposed on the device
         first), so the layers after this one compute meanwhile; commit() joins the streams."""
-        for s in range(0, k.shape[2], STORE_CHUNK):  # chunks bound the device copies of a long prompt
+        for j, s in enumerate(range(0, k.shape[2], STORE_CHUNK)):  # chunks bound the device copies of a prompt
+            if j >= 2:  # at most two chunks' copies in flight: their device tensors are freed once copied
+                self.scheduler.wait(f"store:{self.spec.layer_idx}:{j % 2}")
             kc, vc = k[:, :, s:s + STORE_CHUNK].contiguous(), v[:, :, s:s + STORE_CHUNK].contiguous()
             ktc, a, b = kc.transpose(2, 3).contiguous(), pos + s, pos + s + kc.shape[2]
             if self.sketch is not None:
                 self.sketch.append(kc)
-            with self.scheduler.copy_stream(f"store:{self.spec.layer_idx}"):
+            with self.scheduler.copy_stream(f"store:{self.spec.layer_idx}:{j % 2}"):
                 host_copy(self.host_k[:, :, a:b], kc)
                 host_copy(self.host_v[:, :, a:b], vc)
                 host_copy(self.host_kt[:, :, :, a:b], ktc)
