@@ -69,8 +69,27 @@ def _attend_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: i
         seen = torch.arange(end_k, device=q.device)[None, :] <= torch.arange(q_offset + s, end_k, device=q.device)[:, None]
         scores.masked_fill_(~seen.repeat(g, 1), float("-inf"))
         probs = scores.softmax(-1).to(v.dtype)
-        out[:, :, s:e] = torch.matmul(probs, v[:, :, :end_k]).reshape(b, hq, n, d)
+        out[:, :, s:e] = _probs_times_values(probs, v[:, :, :end_k]).reshape(b, hq, n, d)
     return out
+
+
+PV_SPLIT = 4096  # keys per partial product of a later turn's probabilities and values
+
+
+def _probs_times_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """probs [B, H, R, T] @ v [B, H, T, D] with the T-long reduction split into PV_SPLIT-key parts that run as
+    one batched GEMM and are summed in fp32 (few rows and a long T leave one GEMM with a handful of tiles)."""
+    B, H, R, T = probs.shape
+    m = T // PV_SPLIT
+    if m < 2:
+        return torch.matmul(probs, v)
+    cut = m * PV_SPLIT
+    parts = torch.matmul(probs[..., :cut].reshape(B, H, R, m, PV_SPLIT).transpose(2, 3),
+                         v[:, :, :cut].reshape(B, H, m, PV_SPLIT, v.shape[-1]))       # [B, H, m, R, D]
+    out = parts.float().sum(2)
+    if cut < T:
+        out += torch.matmul(probs[..., cut:], v[:, :, cut:]).float()
+    return out.to(v.dtype)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None):

@@ -305,3 +305,13 @@ def test_causal_attention_of_a_later_turn_equals_masked_sdpa(monkeypatch, B, Hq,
     want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
                                                             attn_mask=seen)
     assert rel_err(got, want) < 1e-5
+
+
+def test_split_probs_times_values_equals_one_matmul(monkeypatch):
+    from tailorkv.ops import attention
+    monkeypatch.setattr(attention, "PV_SPLIT", 16)
+    g = torch.Generator().manual_seed(SEED + 5)
+    for T in (15, 32, 70):
+        probs = torch.rand(2, 3, 5, T, generator=g)
+        v = torch.randn(2, 3, T, 8, generator=g)
+        assert rel_err(attention._probs_times_values(probs, v), probs @ v) < 1e-5
