@@ -263,3 +263,13 @@ def test_cache_bf16_close_to_fp32(gen):
     for a, b in zip(*outs):
         assert b.dtype == torch.bfloat16
         assert rel_err(b.float(), a) < 1e-2
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_cache_quantizes_a_long_prompt_in_parts(gen, monkeypatch, bits):
+    """Prompts longer than STORE_CHUNK are quantized a part at a time: the same cache as one pass."""
+    from tailorkv.engine.policies import quant
+    monkeypatch.setattr(quant, "STORE_CHUNK", 100)  # parts of lcm(R, group) = 128 tokens
+    Qt, Kt, Vt = tokens(gen, 6, 2, 64, 600)
+    cache = make_cache(6, 2, 64, bits)
+    run_steps(cache, Kt, Vt, Qt, [530, 1, 1, 60, 1], bits)

@@ -283,7 +283,8 @@ def test_all_sparse_big_budget_model_equals_full(gen):
 
 # --- (h) a multi-token attend after prefill (a second chat turn) is exact ----------------------------------
 @pytest.mark.parametrize("hq,hkv", GQA)
-def test_multi_token_after_prefill_equals_full(gen, small_flush, hq, hkv):
+def test_multi_token_after_prefill_equals_full(gen, small_flush, monkeypatch, hq, hkv):
+    monkeypatch.setattr(sparse, "STORE_CHUNK", 7)  # the prompt's store and max|K| in parts
     B, D, P = 1, 16, 50
     spec = spec_of(hq, hkv, D, B)
     sp, full = One(SparseOffloadCache(spec, settings(budget=4 + 8 + 6))), One(FullCache(spec))  # small top-K

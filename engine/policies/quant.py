@@ -21,6 +21,8 @@ exact. Buffers are preallocated; `truncate` only supports a no-op or 0.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
@@ -29,6 +31,8 @@ from tailorkv.engine.step import bucket_for
 from tailorkv.ops.attention import causal_attention, softmax_scale
 from tailorkv.ops.quant import codes_per_word, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from tailorkv.ops.quant_attention import av_quant, qk_quant
+
+STORE_CHUNK = 16384  # prompt tokens quantized at a time
 
 
 class QuantCache(LayerCache):
@@ -173,10 +177,12 @@ class QuantCache(LayerCache):
         self.nkq_dev.fill_(self.nkq)
 
     def _store_keys(self, k: torch.Tensor) -> None:
-        allk = torch.cat([self.k_res[:, :, :self.held - self.nkq], k], 2)
+        res = self.held - self.nkq
+        allk = torch.cat([self.k_res[:, :, :res], k], 2) if res else k
         nflush = allk.shape[2] // self.R * self.R
-        if nflush:
-            self._flush_keys(allk[:, :, :nflush])
+        part = max(1, STORE_CHUNK // math.lcm(self.R, self.group)) * math.lcm(self.R, self.group)
+        for s in range(0, nflush, part):  # a long prompt in parts (whole groups): bounded fp32 temporaries
+            self._flush_keys(allk[:, :, s:min(nflush, s + part)])
         self.k_res[:, :, :allk.shape[2] - nflush] = allk[:, :, nflush:]
 
     def _put_values(self, quantized, at: torch.Tensor) -> None:
@@ -187,11 +193,15 @@ class QuantCache(LayerCache):
         """Quantize the values that leave the window in this multi-token step; the ring takes the newest."""
         end = start + v.shape[2]
         lo, hi = self.nvq, max(0, end - self.R)
-        if hi > lo:
+        if hi > lo:  # values are quantized per token: the ring's leaving tokens, then the new ones in parts
             old = self.v_ring.index_select(2, self._ring_slots(lo, min(start, hi)))
-            new = v[:, :, max(lo, start) - start:hi - start] if hi > start else v[:, :, :0]
-            block = torch.cat([old, new], 2)
-            self._put_values(quantize_values(block, self.bits, self.vgroup), torch.arange(lo, hi, device=v.device))
+            if old.shape[2]:
+                self._put_values(quantize_values(old, self.bits, self.vgroup),
+                                 torch.arange(lo, lo + old.shape[2], device=v.device))
+            for s in range(max(lo, start), hi, STORE_CHUNK):
+                e = min(hi, s + STORE_CHUNK)
+                self._put_values(quantize_values(v[:, :, s - start:e - start], self.bits, self.vgroup),
+                                 torch.arange(s, e, device=v.device))
         first = max(start, end - self.R - 1)
         self.v_ring.index_copy_(2, self._ring_slots(first, end), v[:, :, first - start:])
 
