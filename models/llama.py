@@ -16,7 +16,6 @@ from tailorkv.models.rope import Rope
 from tailorkv.ops.fused import add_rms_norm, rms_norm, silu_mul_halves
 
 MLP_CHUNK = 4096  # prefill tokens per MLP call: bounds the [T, hidden_dim] activations
-PROJECT_CHUNK = 16384  # prompt tokens per q/k/v projection from which the heads get buffers of their own
 
 
 class RMSNorm(nn.Module):
@@ -58,27 +57,11 @@ class Attention(nn.Module, Stacked):
         b, t, _ = x.shape
         return x.view(b, t, n, self.hd).transpose(1, 2)
 
-    def project_heads(self, x):
-        """x [B, T, dim] -> q, k, v [B, H, T, D]. Short inputs: views of one qkv_proj(x) buffer. A long prompt:
-        three contiguous buffers filled in PROJECT_CHUNK-token parts, so no [T, (Hq + 2 Hkv) D] buffer and
-        no transposed copies (SDPA's fast backends take contiguous heads)."""
-        b, t, _ = x.shape
-        if t < PROJECT_CHUNK:
-            q, k, v = self.qkv_proj(x).split(self.sizes, -1)
-            return self.heads(q, self.n_heads), self.heads(k, self.n_kv), self.heads(v, self.n_kv)
-        out = [torch.empty(b, n, t, self.hd, dtype=x.dtype, device=x.device)
-               for n in (self.n_heads, self.n_kv, self.n_kv)]
-        for s in range(0, t, PROJECT_CHUNK):
-            part = self.qkv_proj(x[:, s:s + PROJECT_CHUNK]).split(self.sizes, -1)
-            for dst, src, n in zip(out, part, (self.n_heads, self.n_kv, self.n_kv)):
-                dst[:, :, s:s + PROJECT_CHUNK] = self.heads(src, n)
-        return tuple(out)
-
-    def forward(self, q, k, v, positions, rope: Rope, attend):
-        """q, k, v = project_heads(x) -> the attention output per head [B, Hq, T, D], before the output
-        projection."""
-        q, k = rope(q, k, positions)
-        return attend(q, k, v)
+    def forward(self, qkv, positions, rope: Rope, attend):
+        """qkv = qkv_proj(x) -> the attention output per head [B, Hq, T, D], before the output projection."""
+        q, k, v = qkv.split(self.sizes, -1)
+        q, k = rope(self.heads(q, self.n_heads), self.heads(k, self.n_kv), positions)
+        return attend(q, k, self.heads(v, self.n_kv))
 
     def project(self, o):
         """o [B, Hq, T, D] (a chunk of tokens) -> [B, T, dim]."""
@@ -117,10 +100,10 @@ class Block(nn.Module):
         attention); h the residual stream (updated in place). Returns next_norm(h)."""
         x = x_holder.pop()
         cache.layer_input(i, x, step)
-        q, k, v = self.self_attn.project_heads(x)
+        qkv = self.self_attn.qkv_proj(x)
         del x
-        o = self.self_attn(q, k, v, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
-        del q, k, v
+        o = self.self_attn(qkv, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
+        del qkv
         out = torch.empty_like(h)
         for s in range(0, h.shape[1], MLP_CHUNK):  # long prompts in chunks: [T, dim] temporaries stay small
             part = h[:, s:s + MLP_CHUNK]

@@ -39,22 +39,3 @@ def test_tied_embeddings(tmp_path):
         ref = hf(ids).logits[0]
     cache = build_cache(loaded, MethodSettings("full"), max_len=64)
     assert rel_err(Runner(loaded.model, cache).prefill(ids, all_logits=True)[0], ref) < 1e-4
-
-
-def test_a_long_prompt_projects_its_heads_into_buffers_of_their_own(tiny, monkeypatch):
-    """Past PROJECT_CHUNK tokens q, k and v come in contiguous buffers, filled in parts: the same values as the
-    views of one qkv projection, and the same logits as transformers."""
-    import tailorkv.models.llama as llama
-    folder, hf = tiny
-    loaded = load_model(str(folder))
-    attn = loaded.model.model.layers[0].self_attn
-    x = torch.randn(2, 23, loaded.cfg.dim, generator=torch.Generator().manual_seed(0))
-    short = [t.clone() for t in attn.project_heads(x)]
-    monkeypatch.setattr(llama, "PROJECT_CHUNK", 5)
-    long = attn.project_heads(x)
-    for a, b in zip(short, long):
-        assert b.is_contiguous() and torch.allclose(a, b, atol=1e-6)
-    ids = torch.randint(3, 300, (1, 100), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ref = hf(ids).logits[0]
-    assert rel_err(prefill_then_decode(loaded, ids, 96), ref) < 1e-4
