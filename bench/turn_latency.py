@@ -39,8 +39,8 @@ def main():
            "after_load_gib": torch.cuda.memory_allocated(dev) / GIB}
     per_layer = []
 
-    def on_layer(i, n):
-        per_layer.append((i, torch.cuda.memory_allocated(dev) / GIB, torch.cuda.max_memory_allocated(dev) / GIB))
+    def on_layer(i, n):  # at layer i's start: the peak since layer i - 1's start is layer i - 1's
+        per_layer.append((i - 1, torch.cuda.memory_allocated(dev) / GIB, torch.cuda.max_memory_allocated(dev) / GIB))
         torch.cuda.reset_peak_memory_stats(dev)
     cache.on_layer = on_layer
     torch.cuda.reset_peak_memory_stats(dev)
@@ -52,7 +52,7 @@ def main():
     res["prefill_s"] = time.perf_counter() - t0
     res["prefill_peak_gib"] = max(p for _, _, p in per_layer + [(0, 0, torch.cuda.max_memory_allocated(dev) / GIB)])
     worst = max(per_layer, key=lambda x: x[2]) if per_layer else None
-    res["prefill_worst_layer"] = {"layer": worst[0], "allocated_at_start_gib": worst[1], "peak_gib": worst[2]} \
+    res["prefill_worst_layer"] = {"layer": worst[0], "allocated_at_next_start_gib": worst[1], "peak_gib": worst[2]} \
         if worst else None
     cache.on_layer = None
     torch.cuda.reset_peak_memory_stats(dev)
