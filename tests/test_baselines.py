@@ -362,3 +362,57 @@ def test_quest_picks_the_page_with_a_planted_key(gen, hq, hkv):
     assert rel_err(outs[-1][0], ref) < 1e-5
     assert rel_err(outs[0][0], outs[0][1]) < 1e-5  # prefill stays dense
     assert cache.device_bytes() > full.device_bytes()
+
+
+# --- free_generated (eval's plain and paper protocols): decoded tokens are attended on top of the budget -----
+def test_streaming_free_generated_keeps_every_decoded_token(gen):
+    sink, budget, hq, hkv = 4, 24, 8, 2
+    spec = make_spec(hq, hkv, max_len=160)
+    cache = One(StreamingCache(spec, settings(budget=budget, sink=sink, free_generated=True)))
+    ref = StreamRef(sink, budget - sink)
+    Q, K, V = make_qkv(gen, spec.batch, hq, hkv, spec.max_len)
+    out = cache.attend(Q[:, :, :50], K[:, :, :50], V[:, :, :50], 0)
+    assert rel_err(out, stream_expected(ref, Q, K, V, 0, 50)) < 1e-5
+    window = ref.held()  # the prompt's sinks and last recent tokens, fixed while decoding
+    for p in range(50, 80):
+        out = cache.attend(Q[:, :, p:p + 1], K[:, :, p:p + 1], V[:, :, p:p + 1], p)
+        idx = torch.tensor(window + list(range(50, p + 1)))
+        assert rel_err(out, attention_with_mask(Q[:, :, p:p + 1], K[:, :, idx], V[:, :, idx])) < 1e-5
+        assert cache.stats()["tokens_attended"] == budget + p - 49
+    assert sorted(cache.positions().tolist()) == window
+    cache.truncate(70)  # drops decoded tokens only
+    out = cache.attend(Q[:, :, 70:71], K[:, :, 70:71], V[:, :, 70:71], 70)
+    idx = torch.tensor(window + list(range(50, 71)))
+    assert rel_err(out, attention_with_mask(Q[:, :, 70:71], K[:, :, idx], V[:, :, idx])) < 1e-5
+    # a next multi-token step: the decoded tokens join the window first, then slide as prompt tokens
+    for p in range(50, 71):
+        ref.add(p)
+    out = cache.attend(Q[:, :, 71:80], K[:, :, 71:80], V[:, :, 71:80], 71)
+    assert rel_err(out, stream_expected(ref, Q, K, V, 71, 80)) < 1e-5
+    assert sorted(cache.positions().tolist()) == ref.held()
+
+
+def test_quest_free_generated_selects_pages_in_the_prompt_and_keeps_decoded_tokens(gen):
+    hq, hkv, page, budget = 8, 2, 16, 48
+    spec = make_spec(hq, hkv, max_len=160)
+    free = One(QuestCache(spec, settings(budget=budget, page=page, free_generated=True)))
+    plain = One(QuestCache(spec, settings(budget=budget, page=page)))
+    Q, K, V = make_qkv(gen, spec.batch, hq, hkv, spec.max_len)
+    P = 100
+    free.attend(Q[:, :, :P], K[:, :, :P], V[:, :, :P], 0), plain.attend(Q[:, :, :P], K[:, :, :P], V[:, :, :P], 0)
+    for p in range(P, P + 30):
+        out = free.attend(Q[:, :, p:p + 1], K[:, :, p:p + 1], V[:, :, p:p + 1], p)
+        plain.attend(Q[:, :, p:p + 1], K[:, :, p:p + 1], V[:, :, p:p + 1], p)
+        sel = free.policy.selected
+        prompt_part, decoded = sel[..., :-(p + 1 - P)], sel[..., -(p + 1 - P):]
+        assert (prompt_part < P).all() and prompt_part.shape[-1] <= budget
+        assert torch.equal(decoded, torch.arange(P, p + 1).expand_as(decoded))
+        # the same prompt pages as quest's own rule over the prompt alone
+        scores = page_scores(Q[:, :, p], free.policy.kmin[:, :, :math.ceil(P / page)],
+                             free.policy.kmax[:, :, :math.ceil(P / page)])
+        assert torch.equal(prompt_part, select_pages(scores, P, page, budget))
+        g = sel.unsqueeze(-1).expand(-1, -1, -1, D)
+        want = attention_with_mask(Q[:, :, p:p + 1], K.gather(2, g), V.gather(2, g))
+        assert rel_err(out, want) < 1e-5
+        assert free.stats()["tokens_attended"] == sel.shape[-1]
+    assert plain.policy.selected.shape[-1] <= budget  # quest's own rule spends the budget on decoded tokens too

@@ -407,8 +407,7 @@ def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     s = res["settings"]["64"]["512"]
     assert s["quest"]["dense_layers"] == [0, 1] and s["snapkv"]["free_generated"] is True
     assert all(x["status"] == "ok" for x in res["records"]) and len(res["records"]) == 3
-    for w in res["warnings"]:  # until quest's policy honors free_generated, the run says so
-        assert w.startswith("quest does not implement free_generated") and w in r.output
+    assert res["warnings"] == []  # every policy applies free_generated
 
 
 def test_settings_a_policy_ignores_are_named(tiny, monkeypatch):

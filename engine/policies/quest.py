@@ -7,6 +7,8 @@ GQA group); the last, possibly partial, page is always kept and the top-scoring 
 `settings.budget` in whole pages; attention is exact over the chosen pages' tokens. While the context fits in
 the budget, decode attends over everything (equals `full`). Prefill and any multi-token step attend densely.
 Quest itself leaves the first two layers dense; here every layer of the method uses pages.
+With `settings.free_generated` the budget counts the prompt's tokens only (those of multi-token steps): the
+pages are chosen within the prompt and every token decoded since is attended on top.
 """
 from __future__ import annotations
 
@@ -37,12 +39,18 @@ class QuestCache(LayerCache):
         self.kmin = torch.zeros(B, H, n_pages, D, dtype=dt, device=dev)
         self.kmax = torch.zeros_like(self.kmin)
         self.selected: torch.Tensor | None = None  # token indices of the last sparse step (tests, debugging)
+        self.free_generated = settings.free_generated
+        self.prompt_end = 0  # end of the last multi-token step: tokens past it were decoded
+
+    def _paged(self, end: int) -> int:
+        """How many tokens from the start the pages are chosen among at a decode step ending at `end`."""
+        return min(end, self.prompt_end) if self.free_generated else end
 
     def plan(self, step):
-        end = step.end
-        if step.decode and end > self.budget:
-            n = tokens_selected(end, self.page, self.budget)
-            self.last = {"tokens_attended": n, "pages_selected": math.ceil(n / self.page)}
+        end, paged = step.end, self._paged(step.end)
+        if step.decode and paged > self.budget:
+            n = tokens_selected(paged, self.page, self.budget)
+            self.last = {"tokens_attended": n + end - paged, "pages_selected": math.ceil(n / self.page)}
         else:
             self.last = {"tokens_attended": end}
         return None
@@ -53,11 +61,16 @@ class QuestCache(LayerCache):
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self._update_pages(start, end)
-        if not step.decode or end <= self.budget:
+        if not step.decode:
+            self.prompt_end = end
+        paged = self._paged(end)
+        if not step.decode or paged <= self.budget:
             return causal_attention(q, self.k[:, :, :end], self.v[:, :, :end], start)
-        n_pages = math.ceil(end / self.page)
+        n_pages = math.ceil(paged / self.page)
         scores = page_scores(q[:, :, 0], self.kmin[:, :, :n_pages], self.kmax[:, :, :n_pages])
-        idx = select_pages(scores, end, self.page, self.budget)              # [B, H, n]
+        idx = select_pages(scores, paged, self.page, self.budget)            # [B, H, n]
+        if paged < end:  # the decoded tokens, on top of the prompt's pages
+            idx = torch.cat([idx, torch.arange(paged, end, device=idx.device).expand(*idx.shape[:2], -1)], -1)
         gather = idx.unsqueeze(-1).expand(-1, -1, -1, self.spec.head_dim)
         ks = self.k.gather(2, gather)
         vs = self.v.gather(2, gather)
@@ -76,11 +89,13 @@ class QuestCache(LayerCache):
     def reset(self) -> None:
         super().reset()
         self.selected = None
+        self.prompt_end = 0
 
     def abort(self, step) -> None:
         pass  # keys written past the length are never read; their pages are recomputed when rewritten
 
     def truncate(self, length: int) -> None:
+        self.prompt_end = min(self.prompt_end, length)
         if length % self.page:  # the new last page is partial: drop the forgotten keys from its bounds
             self._update_pages(length - length % self.page, length)
 

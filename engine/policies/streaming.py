@@ -11,6 +11,9 @@ slots [0, n_sink + n_rec). Decode keys are order-free (RoPE is already applied),
 Positions: we cache post-RoPE keys, so every key keeps its ORIGINAL position. The original StreamingLLM
 re-assigns positions within the cache (a query sees keys at 0..budget-1); with sink + recent within the model's
 context the difference is small. Equals `full` while length <= budget.
+
+With `settings.free_generated` the window holds prompt tokens only (those of multi-token steps): every token
+decoded since is kept beside it and attended on top; the next multi-token step moves them into the window.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class StreamingCache(LayerCache):
         shape = (spec.batch, spec.n_kv_heads, self.budget, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros_like(self.k)
+        self.free_generated = settings.free_generated
         self.reset()
 
     def reset(self) -> None:
@@ -42,6 +46,7 @@ class StreamingCache(LayerCache):
         self.n_sink = 0   # sink tokens held (< sink only while length < sink)
         self.n_rec = 0    # recent tokens held in the ring
         self.head = 0     # next ring slot to write
+        self.gen_k = self.gen_v = None  # free_generated: tokens decoded since the last multi-token step
 
     @property
     def held(self) -> int:
@@ -51,23 +56,36 @@ class StreamingCache(LayerCache):
         """Original position of the token in each held slot [0, held) (tests, debugging)."""
         ring = torch.arange(self.n_rec)
         oldest = (self.head - self.n_rec) % self.cap
-        ring_pos = self.seen - self.n_rec + (ring - oldest) % self.cap
+        ring_pos = self.seen - self.n_gen - self.n_rec + (ring - oldest) % self.cap
         return torch.cat([torch.arange(self.n_sink), ring_pos])
 
+    @property
+    def n_gen(self) -> int:
+        return 0 if self.gen_k is None else self.gen_k.shape[2]
+
     def plan(self, step):
-        if step.decode:
+        if step.decode and self.free_generated:
+            self.last = {"tokens_attended": self.held + self.n_gen + 1}
+        elif step.decode:
             attended = min(self.sink, self.n_sink + 1) + min(self.cap, self.n_rec + (self.n_sink >= self.sink))
             self.last = {"tokens_attended": attended}
         else:
-            self.last = {"tokens_attended": self.held + step.n}
+            self.last = {"tokens_attended": self.held + self.n_gen + step.n}
         return None
 
     def run(self, q, k, v, step):
         """Eager only (the held count grows until the ring is full)."""
-        if step.decode:
+        if step.decode and self.free_generated:
+            self.gen_k = k if self.gen_k is None else torch.cat([self.gen_k, k], 2)
+            self.gen_v = v if self.gen_v is None else torch.cat([self.gen_v, v], 2)
+            n = self.held
+            out = attention_with_mask(q, torch.cat([self.k[:, :, :n], self.gen_k], 2),
+                                      torch.cat([self.v[:, :, :n], self.gen_v], 2))
+        elif step.decode:
             self._store(k, v)
             out = attention_with_mask(q, self.k[:, :, :self.held], self.v[:, :, :self.held])
         else:
+            self._fold_generated()
             n = self.held
             kk = torch.cat([self.k[:, :, :n], k], 2) if n else k
             vv = torch.cat([self.v[:, :, :n], v], 2) if n else v
@@ -75,6 +93,13 @@ class StreamingCache(LayerCache):
             self._store(k, v)
         self.seen = step.end
         return out
+
+    def _fold_generated(self) -> None:
+        """The decoded tokens join the window (in order), before a multi-token step's tokens."""
+        if self.gen_k is not None:
+            gk, gv = self.gen_k, self.gen_v
+            self.gen_k = self.gen_v = None
+            self._store(gk, gv)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append new tokens: sinks first, then the ring (only the last `cap` of a long block survive)."""
@@ -105,6 +130,13 @@ class StreamingCache(LayerCache):
         if length == 0:
             self.reset()
             return
+        if self.n_gen:  # decoded tokens are the newest: drop from them first
+            gen_start = self.seen - self.n_gen
+            keep = max(0, length - gen_start)
+            self.gen_k, self.gen_v = (self.gen_k[:, :, :keep], self.gen_v[:, :, :keep]) if keep else (None, None)
+            self.seen = max(length, gen_start)
+            if length >= self.seen:
+                return
         oldest = self.seen - self.n_rec  # position of the oldest recent token held
         if length < oldest and oldest != self.n_sink:
             raise RuntimeError(f"streamingllm cache already evicted tokens before position {oldest}: cannot "
