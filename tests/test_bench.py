@@ -177,3 +177,14 @@ def test_cpu_run_output_formats_and_defaults(tiny, tmp_path):
     r = bench_cmd(*args, "--out", str(tmp_path / "json"), "--output", "json")
     assert r.exit_code == 0 and json.loads(r.stdout)["cells"][0]["prompt_tokens"] == 2030
     check_png(tmp_path / "json" / "peak_memory.png")
+
+
+def test_warm_up_runs_one_short_cell_per_method_on_a_gpu_only(tiny):
+    from tailorkv.engine.bench import driver
+    from tailorkv.models.loader import load_model
+    tiny = load_model(tiny)
+    plan = driver.BenchPlan(ctxs=[256, 512], methods=["full", "streamingllm"], decode_steps=3, warmup=1)
+    assert driver.warm_up(tiny, plan) == []  # on a CPU nothing needs compiling
+    cells = driver.warm_up(tiny, plan, force=True)
+    assert [(c["method"], c["ctx"], c["status"]) for c in cells] == [("full", 256, "ok"), ("streamingllm", 256, "ok")]
+    assert all(len(c["greedy_tokens"]) == 1 + 2 + 2 for c in cells)  # prefill's token, 2 warm-up, 2 timed
