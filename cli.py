@@ -45,7 +45,7 @@ def main():
 @click.option("--gpu-mem-limit", default=None, help="cap device memory, weights included, e.g. 24GiB (as on a 24 GB card)")
 @friendly
 def run(model, weights, random_weights, device, dtype, threads, method, bits, budget, sink, recent, channels,
-        quant_layers, select, sketch_bits, select_rule, channel_rule, ctx, prompt, prompt_file, system,
+        quant_layers, select, sketch_bits, select_rule, channel_rule, own_query_below, ctx, prompt, prompt_file, system,
         max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, stop,
         no_chat_template, gpu_mem_limit):
     """Chat with a model, or answer one --prompt / --file and exit."""
@@ -63,7 +63,7 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     S.resolve(flags)  # checks the values given, before anything loads
     check_knob_use(click.get_current_context(), [method])
     settings = settings_from(method, bits, budget, sink, recent, channels, quant_layers, select, sketch_bits,
-                             select_rule, channel_rule)
+                             select_rule, channel_rule, own_query_below)
     ctx_len = parse_ctx(ctx) if ctx is not None else None
     dev = pick_device(device)
     cap_gpu_memory(gpu_mem_limit, dev)

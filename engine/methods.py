@@ -1,6 +1,7 @@
 """Build a ModelCache for a method: one policy per layer, chosen by the method and the layer profile."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -12,15 +13,27 @@ from tailorkv.engine.settings import MethodSettings
 from tailorkv.models.loader import CONFIG_DIR
 
 
+def _profile(family: dict) -> dict | None:
+    """The model's calibration profile (configs/profiles), if it has one."""
+    prof = family.get("profile") or (f"profiles/{family['name']}.json" if family.get("name") else None)
+    path = os.path.join(CONFIG_DIR, prof) if prof else None
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    return None
+
+
 def profile_quant_layers(family: dict) -> list[int] | None:
     """Quantization-friendly layers: from the model's calibration profile, else the family's paper value."""
-    prof = family.get("profile") or (f"profiles/{family['name']}.json" if family.get("name") else None)
-    if prof:
-        path = os.path.join(CONFIG_DIR, prof)
-        if os.path.isfile(path):
-            with open(path) as f:
-                return list(json.load(f)["quant_layers"])
-    return family.get("quant_layers")
+    prof = _profile(family)
+    return list(prof["quant_layers"]) if prof else family.get("quant_layers")
+
+
+def own_query_layers_of(prediction_cos: list[float | None] | None, below: float) -> list[int]:
+    """Layers whose one-layer-early prediction is poor: profiled cosine below `below` (0: none)."""
+    if not prediction_cos or below <= 0:
+        return []
+    return [i for i, c in enumerate(prediction_cos) if c is not None and c < below]
 
 
 def layer_policies(settings: MethodSettings, n_layers: int, family: dict) -> list[str]:
@@ -70,6 +83,10 @@ def build_cache(loaded, settings: MethodSettings, max_len: int, batch: int = 1,
                 device=None, dtype: torch.dtype | None = None, overlap: bool = True) -> ModelCache:
     """overlap=False: one stream for everything (the synchronous reference of the two-stream pipeline)."""
     settings.validate()
+    if settings.method == "tailorkv" and settings.own_query_layers is None:
+        prof = _profile(loaded.family)
+        own = own_query_layers_of(prof.get("prediction_cos") if prof else None, settings.own_query_below)
+        settings = dataclasses.replace(settings, own_query_layers=own)
     model, cfg = loaded.model, loaded.cfg
     device = device or model.output_weight.device
     dtype = dtype or model.output_weight.dtype

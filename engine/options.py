@@ -57,6 +57,9 @@ def method_options(fn):
         click.option("--channel-rule", type=click.Choice(CHANNEL_RULES), default=d.channel_rule, show_default=True,
                      help="r channels per KV head by |group mean of q| (paper), the max over the group's heads "
                           f"(max) or their L2 norm (l2), times max|K| ({_users('channel_rule')})"),
+        click.option("--own-query-below", type=float, default=d.own_query_below, show_default=True,
+                     help="sparse layers whose profiled q-hat cosine (`tailorkv profile`) is below this select "
+                          f"from their own query, without the prefetch; 0 = never ({_users('own_query_below')})"),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -64,7 +67,7 @@ def method_options(fn):
 
 
 KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "select", "sketch_bits", "select_rule",
-         "channel_rule")
+         "channel_rule", "own_query_below")
 
 
 def given_knobs(ctx: click.Context) -> list[str]:
@@ -90,7 +93,7 @@ def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
 
 
 def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select="channels", sketch_bits=2,
-                  select_rule=None, channel_rule=None):
+                  select_rule=None, channel_rule=None, own_query_below=None):
     from tailorkv.engine.settings import MethodSettings
     ql = None
     if quant_layers is not None:
@@ -98,7 +101,8 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
             ql = [int(x) for x in quant_layers.split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--quant-layers '{quant_layers}' is not a list of layer numbers like 0,1") from None
-    rules = {k: v for k, v in (("select_rule", select_rule), ("channel_rule", channel_rule)) if v}
+    rules = {k: v for k, v in (("select_rule", select_rule), ("channel_rule", channel_rule),
+                               ("own_query_below", own_query_below)) if v is not None}
     s = MethodSettings(method=method, bits=int(bits), budget=budget, sink=sink, recent=recent, channels=channels,
                        quant_layers=ql, select=select, sketch_bits=int(sketch_bits), **rules)
     try:

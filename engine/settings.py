@@ -20,6 +20,7 @@ KNOB_USERS = {
     "sketch_bits": ("tailorkv",),
     "select_rule": ("tailorkv",),
     "channel_rule": ("tailorkv",),
+    "own_query_below": ("tailorkv",),
 }
 
 
@@ -42,6 +43,9 @@ class MethodSettings:
     #                            sketch = a low-bit copy of the middle's keys on the device scores every channel
     sketch_bits: int = 2       # bits of the sketch (1 or 2)
     quant_layers: list[int] | None = None  # None: from the model's profile
+    own_query_below: float = 0.5  # sparse layers whose profiled q-hat cosine (one-layer-early prediction) is below
+    #                               this select from their own query, without the prefetch; 0 = never
+    own_query_layers: list[int] | None = None  # None: from the profile and own_query_below (build_cache)
     page: int = 16           # quest page size
     snap_window: int = 32    # snapkv observation window (last prompt queries)
     snap_pool: int = 7       # snapkv pooling kernel
@@ -80,6 +84,8 @@ class MethodSettings:
             raise ValueError(f"--select-rule {self.select_rule}: use {', '.join(SELECT_RULES)}")
         if self.channel_rule not in CHANNEL_RULES:
             raise ValueError(f"--channel-rule {self.channel_rule}: use {', '.join(CHANNEL_RULES)}")
+        if not 0.0 <= self.own_query_below <= 1.0:
+            raise ValueError(f"--own-query-below must be a cosine in [0, 1] (0 = never), got {self.own_query_below}")
         if self.dense_layers is not None and any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
             raise ValueError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
 

@@ -61,3 +61,26 @@ def test_selection_rules_are_settings_and_options():
         assert "--select-rule [paper|lse|psum]" in out and "--channel-rule [paper|max|l2]" in out, cmd
     r = CliRunner().invoke(main, ["run", "--select-rule", "sum", "-p", "hi"])
     assert r.exit_code == 2 and "'sum' is not one of 'paper', 'lse', 'psum'" in r.output
+
+
+def test_layers_with_a_poor_prediction_select_from_their_own_query(tmp_path, monkeypatch):
+    """The profile's q-hat cosines pick the sparse layers that skip the one-layer-early prefetch."""
+    assert methods.own_query_layers_of([None, -0.003, 0.885, 0.4, 0.97], 0.5) == [1, 3]
+    assert methods.own_query_layers_of([None, -0.003, 0.885], 0.0) == []
+    assert methods.own_query_layers_of(None, 0.5) == []
+    from helpers import write_tiny_hf
+    from tailorkv.models.loader import load_model
+    write_tiny_hf(tmp_path / "m", n_layers=3)
+    loaded = load_model(str(tmp_path / "m"))
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "tiny.json").write_text(json.dumps({"quant_layers": [],
+                                                                  "prediction_cos": [None, 0.1, 0.9]}))
+    monkeypatch.setattr(methods, "CONFIG_DIR", str(tmp_path))
+    loaded.family = {**loaded.family, "name": "tiny", "profile": "profiles/tiny.json"}
+    cache = methods.build_cache(loaded, MethodSettings("tailorkv", budget=32, sink=4, recent=4), 64)
+    assert [type(c).__name__ for c in cache.layers] == ["SparseOffloadCache"] * 3  # head_dim 8: no 1-bit layer
+    assert [c.wants_query_prediction for c in cache.layers[1:]] == [False, True]
+    cache = methods.build_cache(loaded, MethodSettings("tailorkv", budget=32, sink=4, recent=4, own_query_below=0), 64)
+    assert [c.wants_query_prediction for c in cache.layers[1:]] == [True, True]
+    with pytest.raises(ValueError, match="own-query-below"):
+        MethodSettings("tailorkv", own_query_below=1.5).validate()

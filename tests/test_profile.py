@@ -188,6 +188,8 @@ def test_cli_writes_json_and_png(cli_main, tiny_dir, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(prof["P"]) == N_LAYERS and all(0 <= p <= 1 for p in prof["P"])
     assert prof["quant_layers"] == [i for i, p in enumerate(prof["P"]) if p > prof["tau"]]
+    assert prof["prediction_cos"][0] is None and len(prof["prediction_cos"]) == N_LAYERS
+    assert all(-1 <= c <= 1 for c in prof["prediction_cos"][1:]) and "q-hat cos" in r.output
     assert prof["tau"] == 0.2 and prof["n_q"] == 32 and prof["top"] == 0.05
     cal = prof["calibration"]
     assert cal["tokens"] == 300 and cal["source"] == str(data)
@@ -298,3 +300,29 @@ def test_random_weights_never_overwrite_a_real_profile():
     rand = default_out(SimpleNamespace(family=fam, random=True, name="smollm2-135m"))
     assert real.endswith(os.path.join("configs", "profiles", "smollm2-135m.json"))
     assert rand.endswith("smollm2-135m-random.json")
+
+
+def test_prediction_cos_is_the_cosine_of_the_predicted_and_the_true_query(tiny):
+    """Layer l's query predicted from layer l-1's normalized input (its W_q and RoPE), against its true query,
+    over the last n_q rows: the mean cosine per (head, row); layer 0 has none."""
+    from tailorkv.engine.cache import LayerSpec, ModelCache
+    from tailorkv.engine.runner import Runner
+    ids = tiny_ids(90, seed=5)
+    res = profile_model(tiny, ids, n_q=16, top=0.05)
+    c = tiny.cfg
+    inputs = {}
+
+    class Keep(ModelCache):
+        def layer_input(self, i, x, step):
+            inputs[i] = x[0].clone()
+            super().layer_input(i, x, step)
+    spec = LayerSpec(0, c.n_heads, c.n_kv_heads, c.head_dim, len(ids), 1, torch.float32, torch.device("cpu"))
+    cache = Keep([Recorder(spec) for _ in range(c.n_layers)])
+    Runner(tiny.model, cache).prefill(torch.tensor([ids]))
+    pos = torch.arange(len(ids))[-16:]
+    assert res["prediction_cos"][0] is None
+    for i in range(1, c.n_layers):
+        q_hat = tiny.model.project_query(i, inputs[i - 1][None, -16:], pos)[0]       # [Hq, 16, D]
+        want = torch.cosine_similarity(q_hat, cache.layers[i].q[:, -16:], dim=-1).mean().item()
+        assert res["prediction_cos"][i] == pytest.approx(want, abs=1e-5)
+        assert -1.0 <= res["prediction_cos"][i] <= 1.0

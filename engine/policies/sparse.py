@@ -55,6 +55,8 @@ class SparseOffloadCache(LayerCache):
         self.topk = settings.topk
         self.r = min(settings.channels, spec.head_dim)
         self.cap = self.recent + FLUSH
+        if spec.layer_idx in (settings.own_query_layers or []):  # its one-layer-early prediction is poor
+            self.wants_query_prediction = False
         self.select_rule, self.channel_rule = settings.select_rule, settings.channel_rule  # what selector applies
         self.sketch, self.align = None, 1  # align: the middle grows by whole multiples of it
         if settings.select == "sketch":

@@ -19,6 +19,10 @@ Choices, written down:
 - Scores and softmax in float32 whatever the model dtype; GQA is handled per KV head (each query head h reads
   KV head h // group), one KV head at a time, so memory is [group * n_q, T] floats, never [T, T].
 - If the prompt is shorter than n_q, all of its queries are used.
+
+Prediction quality (for TailorKV's one-layer-early query): for the same last n_q rows, layer l's query predicted
+from layer l - 1's normalized input (layer l's W_q and RoPE applied to it) against layer l's true query: the
+cosine per (query head, row), averaged. Layer 0 has no layer before it (None).
 """
 from __future__ import annotations
 
@@ -89,6 +93,8 @@ class CalibrationCache(LayerCache):
         self.n_q, self.top = n_q, top
         self.p_tensor: torch.Tensor | None = None
         self.n_keys = 0
+        self.q_hat: torch.Tensor | None = None  # the last rows' query predicted from the layer before
+        self.cos_tensor: torch.Tensor | None = None
 
     @property
     def p(self) -> float | None:
@@ -99,18 +105,39 @@ class CalibrationCache(LayerCache):
             raise RuntimeError("calibration takes the whole prompt in one prefill call")
         self.p_tensor = layer_p_tensor(q, k, self.n_q, self.top, q_offset=0)
         self.n_keys = k.shape[2]
+        if self.q_hat is not None:
+            rows = self.q_hat.shape[2]
+            self.cos_tensor = torch.cosine_similarity(self.q_hat.float(), q[:, :, -rows:].float(), dim=-1).mean()
+            self.q_hat = None
         return causal_attention(q, k, v, 0)
+
+    @property
+    def prediction_cos(self) -> float | None:
+        return None if self.cos_tensor is None else float(self.cos_tensor)
 
     def reset(self) -> None:
         super().reset()
-        self.p_tensor = None
+        self.p_tensor = self.cos_tensor = self.q_hat = None
 
 
-def calibration_cache(cfg, n_q: int, top: float, batch: int, device, dtype, max_len: int) -> ModelCache:
+class CalibrationModelCache(ModelCache):
+    """Hands each layer the prediction of its last n_q rows' query from the layer before's input."""
+
+    def layer_input(self, i, x, step):
+        super().layer_input(i, x, step)
+        nxt = i + 1
+        if self.query_fn is not None and nxt < len(self.layers):
+            rows = min(self.layers[nxt].n_q, x.shape[1])
+            self.layers[nxt].q_hat = self.query_fn(nxt, x[:, -rows:], step.positions[-rows:])
+
+
+def calibration_cache(cfg, n_q: int, top: float, batch: int, device, dtype, max_len: int,
+                      query_fn=None) -> ModelCache:
+    """query_fn: the model's project_query, to measure the one-layer-early prediction (else not measured)."""
     layers = [CalibrationCache(LayerSpec(i, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, max_len, batch, dtype,
                                          torch.device(device)), n_q, top)
               for i in range(cfg.n_layers)]
-    return ModelCache(layers, query_fn=None, method="calibration")
+    return CalibrationModelCache(layers, query_fn=query_fn, method="calibration")
 
 
 def quant_layers_of(p: list[float], tau: float) -> list[int]:
@@ -130,7 +157,8 @@ def validate(n_q: int, top: float, tau: float) -> None:
 def profile_model(loaded, text_ids, n_q: int = DEFAULT_N_Q, top: float = DEFAULT_TOP, tau: float = DEFAULT_TAU,
                   progress: Callable[[int, int], None] | None = None) -> dict:
     """Run one calibration prefill of text_ids (list of ids, or a [T] / [B, T] tensor) through loaded.model and
-    return {"P": [...], "quant_layers": [...], "layer_types": [...], "tau", "n_q", "top", "top_k", "tokens"}.
+    return {"P": [...], "prediction_cos": [...], "quant_layers": [...], "layer_types": [...], "tau", "n_q", "top",
+    "top_k", "tokens"}.
     progress(done, n_layers) is called as layers complete."""
     validate(n_q, top, tau)
     model, cfg = loaded.model, loaded.cfg
@@ -144,7 +172,8 @@ def profile_model(loaded, text_ids, n_q: int = DEFAULT_N_Q, top: float = DEFAULT
     if n_tok > cfg.max_context:
         raise ValueError(f"the calibration prompt has {n_tok} tokens but {loaded.name} supports "
                          f"{cfg.max_context}: lower --length")
-    cache = calibration_cache(cfg, n_q, top, ids.shape[0], device, model.output_weight.dtype, n_tok)
+    cache = calibration_cache(cfg, n_q, top, ids.shape[0], device, model.output_weight.dtype, n_tok,
+                              query_fn=model.project_query)
     n_layers = cfg.n_layers
     if progress is not None:
         cache.on_layer = lambda i, n: progress(i, n)
@@ -155,6 +184,7 @@ def profile_model(loaded, text_ids, n_q: int = DEFAULT_N_Q, top: float = DEFAULT
     quant = quant_layers_of(p, tau)
     return {
         "P": p,
+        "prediction_cos": [layer.prediction_cos for layer in cache.layers],
         "quant_layers": quant,
         "layer_types": ["quant" if i in set(quant) else "sparse" for i in range(n_layers)],
         "tau": tau,

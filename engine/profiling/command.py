@@ -166,6 +166,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
         "weights": src,
         "n_layers": loaded.cfg.n_layers,
         "P": [round(x, 6) for x in res["P"]],
+        "prediction_cos": [None if c is None else round(c, 6) for c in res["prediction_cos"]],
         "tau": tau,
         "n_q": n_q,
         "top": top,
@@ -206,9 +207,10 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     table.add_column("layer", justify="right")
     table.add_column("P", justify="right")
     table.add_column("type")
-    for i, (p, kind) in enumerate(zip(res["P"], res["layer_types"])):
+    table.add_column("q-hat cos", justify="right")
+    for i, (p, kind, c) in enumerate(zip(res["P"], res["layer_types"], res["prediction_cos"])):
         label = "[bold yellow]quantization-friendly[/]" if kind == "quant" else "sparsity-friendly"
-        table.add_row(str(i), f"{p:.4f}", label)
+        table.add_row(str(i), f"{p:.4f}", label, "-" if c is None else f"{c:.3f}")
     con.print(table)
     q = res["quant_layers"]
     con.print(f"quantization-friendly layers: {', '.join(map(str, q)) if q else 'none'} "
