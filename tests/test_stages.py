@@ -24,3 +24,4 @@ def test_summary_of_two_streams():
     assert s["stage_ms"]["pcie gather"] == 0.1 and s["stage_ms"]["pcie copy d2h"] == 0.02
     assert list(s["stream_busy_ms"]) == ["13", "7"] or list(s["stream_busy_ms"]) == ["7", "13"]
     assert abs(s["other_streams_overlapped_ms"] - 0.1 / 2) < 1e-9
+    assert abs(s["concurrent_ms"] - (400 - 300) / 1e3 / 2) < 1e-9  # 400 us of intervals in a 300 us union
