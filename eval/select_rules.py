@@ -50,6 +50,9 @@ class Variant:
     combine: str = "sum"
     r: int = 12
     split: str = "shrink"        # sink / recent inside the budget (budgets.split_budget)
+    tokens_from: str = "query"   # or "predicted": the token scores from the query predicted one layer early too
+    #                              (what fetching the chosen rows a layer ahead would select)
+    own_layers: tuple[int, ...] = ()  # layers whose channels come from their own query (no prediction)
 
 
 VARIANTS = [
@@ -65,6 +68,9 @@ VARIANTS = [
     Variant("exact (r 64) + psum", combine="psum", r=64),
     Variant("paper, split budget/16", split="paper"),
     Variant("lse, split budget/16", combine="lse", split="paper"),
+    Variant("lse, layer 1 from its own query", combine="lse", own_layers=(1,)),
+    Variant("lse, tokens from the predicted query", combine="lse", tokens_from="predicted"),
+    Variant("exact (r 64) + lse, from the predicted query", combine="lse", r=64, tokens_from="predicted"),
 ]
 
 
@@ -95,18 +101,19 @@ class SelectCache(FullCache):
     def predict_query(self, q_hat):
         self.q_hat = q_hat
 
-    def attend(self, q, k, v, start_pos):
+    def run(self, q, k, v, step):
         q_hat, self.q_hat = self.q_hat, None
-        if self.variant is None or k.shape[2] != 1:
-            return super().attend(q, k, v, start_pos)
-        end = self.admit(start_pos, 1)
+        if self.variant is None or not step.decode:
+            return super().run(q, k, v, step)
+        start_pos, end = step.start, step.end
         self.k[:, :, start_pos:end], self.v[:, :, start_pos:end] = k, v
-        self.length = end
         torch.maximum(self.kmax, k[:, :, 0].abs().float(), out=self.kmax)
         return self._select(q, q if q_hat is None else q_hat, end)
 
     def _select(self, q, q_hat, end):
         var = self.variant
+        if self.spec.layer_idx in var.own_layers:
+            q_hat = q
         B, Hq, _, D = q.shape
         H, N = self.spec.n_kv_heads, self.hi - self.lo
         g = Hq // H
@@ -115,7 +122,8 @@ class SelectCache(FullCache):
         else:
             chans = topk_channels(channel_scores(q_hat, self.kmax, var.channel_rule), var.r)
         rows = self.kt.gather(2, chans[..., None].expand(-1, -1, -1, N))      # [B, H or Hq, r, N]
-        scores = combine_heads(head_scores(q, rows, chans), H, var.combine, softmax_scale(D))
+        q_tok = q_hat if var.tokens_from == "predicted" else q
+        scores = combine_heads(head_scores(q_tok, rows, chans), H, var.combine, softmax_scale(D))
         idx = topk_tokens(scores, self.topk) + self.lo
         edge = torch.cat([torch.arange(self.lo), torch.arange(self.hi, end)]).expand(B, H, -1)
         keep = torch.cat([edge, idx], 2)
@@ -152,7 +160,8 @@ def run(args) -> dict:
     suite = prompts.build_suites(tok, plan)[args.length]
     budget = round(args.budget_frac * args.length)
     max_new = plan.max_new(args.task)
-    per: dict = {v.name: {"score": [], "dnll": [], "agree": [], "recall": []} for v in VARIANTS}
+    variants = [v for v in VARIANTS if not args.variants or v.name in args.variants.split(";")]
+    per: dict = {v.name: {"score": [], "dnll": [], "agree": [], "recall": []} for v in variants}
     full_scores = []
     for si, sample in enumerate(suite):
         t0 = time.time()
@@ -166,6 +175,7 @@ def run(args) -> dict:
 
             def restore(var: Variant | None, recall: bool = False):
                 engine.tokens = list(ids)
+                cache.length = len(ids)  # the model cache owns the length: back to the shared prefill
                 j = 0
                 for i, layer in enumerate(cache.layers):
                     if isinstance(layer, SelectCache):
@@ -179,7 +189,7 @@ def run(args) -> dict:
             full_pred = tok.decode(ref["answer"], skip_special_tokens=True)
             full_scores.append(100 * score(full_pred, sample.answers, sample.metric))
             nll_full = statistics.fmean(ref["nll"])
-            for var in VARIANTS:
+            for var in variants:
                 restore(var, recall=True)
                 g = D.decode(engine, logits, max_new, follow=ref["picked"])
                 pred = tok.decode(g["answer"], skip_special_tokens=True)
@@ -195,7 +205,7 @@ def run(args) -> dict:
         print(f"sample {si}: full {full_scores[-1]:.0f} ({full_pred.strip()[:40]!r}), "
               f"{time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     rows = []
-    for var in VARIANTS:
+    for var in variants:
         rec = per[var.name]
         rows.append({"variant": asdict(var), **{k: statistics.fmean(x) for k, x in rec.items()},
                      **{k + "_se": _se(x) for k, x in rec.items()}, "per_sample": rec})
@@ -223,6 +233,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (more than the free cores is slow)")
     ap.add_argument("--out", default=None, help="folder for select_rules-<task>.json")
+    ap.add_argument("--variants", default=None, help="';'-separated variant names (default: all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     res = run(args)
