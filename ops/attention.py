@@ -1,8 +1,7 @@
 """Dense causal attention with GQA (no repeat of KV heads), for any query offset; decode attention over a
 preallocated buffer with a device-side length (attend_decode, its CUDA kernel in ops/attention_cuda.py), and a
-sparse layer's decode attention over its device slots and rows of its pinned host store (sparse_decode_attention:
-the rows gathered zero-copy by gather_rows' kernel, then one masked softmax in torch; it has no kernel of its own
-yet)."""
+sparse layer's decode attention over its device slots and rows of its pinned host store (sparse_decode_attention,
+its CUDA kernel in ops/sparse_attention_cuda.py reads the rows zero-copy inside the attention)."""
 from __future__ import annotations
 
 import math
@@ -151,10 +150,10 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     tail_start: 0-dim int64 tensor, both on q's device (read there: no sync). pos [B, Hkv, K] int64 (or None:
     no host rows): selected positions, absolute after adding pos_offset; a row is held iff
     S <= pos + pos_offset < tail_start, and then its K and V are row pos + pos_offset of host_k / host_v
-    [B, Hkv, N, D] (pinned host memory, read zero-copy by gather_rows' kernel). Rows that are not held are never
-    read (row 0, a sink, stands in for them, zeroed). Products in the inputs' dtype, softmax in fp32 (as
-    decode_attention). -> [B, Hq, 1, D] in q's dtype; zeros where no key is held.
-    The rows come through gather_rows (its UVA kernel on a GPU: no sync, capturable in a CUDA graph)."""
+    [B, Hkv, N, D] (pinned host memory). Rows that are not held are never read (this reference reads row 0, a
+    sink, in their place and zeroes it). Products in the inputs' dtype, softmax in fp32 (as decode_attention).
+    -> [B, Hq, 1, D] in q's dtype; zeros where no key is held. This reference gathers the rows with gather_rows
+    (no sync on a GPU); the kernel reads them inside the attention."""
     B, Hq, _, D = q.shape
     Hkv, SC = dev_k.shape[1], dev_k.shape[2]
     dev = q.device

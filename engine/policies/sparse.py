@@ -192,10 +192,10 @@ class SparseOffloadCache(LayerCache):
         return self._buffers[name]
 
     def run(self, q, k, v, step):
-        q_hat, self.q_hat = self.q_hat, None  # a prediction serves one step only
+        self.q_hat = None  # a prediction serves one step only (predict_query started its prefetch)
         prefetched, self.prefetched = self.prefetched, False
         if step.decode:
-            return self._decode(q, k, v, q_hat, prefetched, step.positions)
+            return self._decode(q, k, v, prefetched, step.positions)
         out = self._attend_many(q, k, v, step.start)
         self._store(k, v)
         self.held = step.end
@@ -215,7 +215,7 @@ class SparseOffloadCache(LayerCache):
         keys, vals = self.held_kv(new=(k, v))
         return causal_attention(q, keys, vals, start)
 
-    def _decode(self, q, k, v, q_hat, prefetched, p):
+    def _decode(self, q, k, v, prefetched, p):
         S = self.sink
         slot = torch.where(p < S, p, S + p - self.tail_start_dev)
         self.dev_k.index_copy_(2, slot, k)
