@@ -1,21 +1,14 @@
 """Read a chrome trace of decode steps (bench/trace_decode.py) and print what a stage table cannot show: the
 kernels of a few layers in time order with their streams, each stream's busy time, and where the busiest
 stream sat idle (the gap summed by the kernel that ended it: a wait on the other stream shows up there).
-    python3 bench/trace_timeline.py DIR/trace.json [--layers 10,11] [--marker rms_norm]"""
+    PYTHONPATH=src python3 bench/trace_timeline.py DIR/trace.json [--layers 10,11] [--marker rope_]"""
 from __future__ import annotations
 
 import argparse
 import json
 from collections import defaultdict
 
-
-def gpu_events(trace: dict) -> list[dict]:
-    out = []
-    for e in trace.get("traceEvents", []):
-        if str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            out.append({"ts": float(e["ts"]), "dur": float(e["dur"]), "name": str(e.get("name", "")),
-                        "stream": int((e.get("args") or {}).get("stream", 0))})
-    return sorted(out, key=lambda e: e["ts"])
+from tailorkv.engine.bench.stages import gpu_events
 
 
 def main():

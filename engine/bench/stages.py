@@ -49,26 +49,31 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return _union(a) + _union(b) - _union(a + b)
 
 
-def summarize(trace: dict, steps: int, wall_ms: float) -> dict:
-    """trace: a chrome trace (torch.profiler's export) covering `steps` decode steps of wall_ms each."""
-    gpu = []
+def gpu_events(trace: dict) -> list[dict]:
+    """The trace's kernels, copies and memsets in time order: {cat, name, ts, dur, stream} (times in us)."""
+    out = []
     for e in trace.get("traceEvents", []):
         cat = str(e.get("cat", "")).lower()
         if cat in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            gpu.append(e)
+            out.append({"cat": cat, "name": str(e.get("name", "")), "ts": float(e["ts"]), "dur": float(e["dur"]),
+                        "stream": int((e.get("args") or {}).get("stream", 0))})
+    return sorted(out, key=lambda e: e["ts"])
+
+
+def summarize(trace: dict, steps: int, wall_ms: float) -> dict:
+    """trace: a chrome trace (torch.profiler's export) covering `steps` decode steps of wall_ms each."""
     stages: dict[str, float] = {}
     streams: dict[int, list[tuple[float, float]]] = {}
     kernels = 0
-    for e in gpu:
-        name = str(e.get("name", ""))
-        if e["cat"].lower() == "kernel":
+    for e in gpu_events(trace):
+        name = e["name"]
+        if e["cat"] == "kernel":
             kernels += 1
             stage = stage_of(name)
         else:
             stage = next((v for k, v in COPIES.items() if k in name.lower()), "copy")
         stages[stage] = stages.get(stage, 0.0) + e["dur"] / 1e3
-        stream = int((e.get("args") or {}).get("stream", 0))
-        streams.setdefault(stream, []).append((e["ts"], e["ts"] + e["dur"]))
+        streams.setdefault(e["stream"], []).append((e["ts"], e["ts"] + e["dur"]))
     by_busy = sorted(streams, key=lambda s: -_union(streams[s]))
     compute = by_busy[0] if by_busy else None
     others = [iv for s in by_busy[1:] for iv in streams[s]]
