@@ -143,7 +143,8 @@ extern "C" __global__ void sparse_attend_merge(
 
 def load(reference):
     """reference: the torch sparse_decode_attention, for the arguments the kernel does not take."""
-    compile_module(_SOURCE.format(d=128, g=4, warps=WARPS, kt=C_TYPES["torch.bfloat16"]))
+    compile_module(_SOURCE.format(d=128, g=4, warps=WARPS, kt=C_TYPES["torch.bfloat16"])).get_function(
+        "sparse_attend_partial")  # fail early
     kernels = {}
 
     def sparse_decode_attention(q, dev_k, dev_v, host_k, host_v, pos, position, tail_start, sink,

@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -313,8 +313,7 @@ def warm_up(loaded, plan: BenchPlan, on_phase: Callable[[str, int, str], None] |
     (measured on the H200: tailorkv's 8k prefill took 2.66 s as a process's first cell, 0.55 s after one)."""
     if loaded.model.output_weight.device.type != "cuda" and not force:
         return []
-    small = BenchPlan(ctxs=[], methods=plan.methods, settings=plan.settings, decode_steps=2, warmup=2,
-                      batch=plan.batch, seed=plan.seed, margin=plan.margin, cuda_graph=plan.cuda_graph)
+    small = replace(plan, ctxs=[], decode_steps=2, warmup=2, profile_steps=0)
     ctx = min([WARM_CTX, *plan.ctxs])
     out = []
     for method in plan.methods:

@@ -180,7 +180,8 @@ class QuantCache(LayerCache):
         res = self.held - self.nkq
         allk = torch.cat([self.k_res[:, :, :res], k], 2) if res else k
         nflush = allk.shape[2] // self.R * self.R
-        part = max(1, STORE_CHUNK // math.lcm(self.R, self.group)) * math.lcm(self.R, self.group)
+        whole = math.lcm(self.R, self.group)  # a part is whole residual blocks and whole groups
+        part = max(1, STORE_CHUNK // whole) * whole
         for s in range(0, nflush, part):  # a long prompt in parts (whole groups): bounded fp32 temporaries
             self._flush_keys(allk[:, :, s:min(nflush, s + part)])
         self.k_res[:, :, :allk.shape[2] - nflush] = allk[:, :, nflush:]
