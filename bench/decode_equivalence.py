@@ -20,7 +20,7 @@ from tailorkv.engine.settings import MethodSettings
 from tailorkv.models.loader import load_model
 
 
-PATHS = {"graph+overlap": (True, True), "eager+overlap": (False, True), "graph+sync": (True, False)}
+PATHS = {"eager+sync": (False, False), "graph+overlap": (True, True), "eager+overlap": (False, True), "graph+sync": (True, False)}
 
 
 def greedy(loaded, settings, prompt, steps, max_len, graph: bool, overlap: bool, force=None):
@@ -45,7 +45,8 @@ def main():
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--methods", default="full,tailorkv")
     ap.add_argument("--bits", type=int, default=1)
-    ap.add_argument("--paths", default="graph+overlap", help="compared with eager+sync: " + ",".join(PATHS))
+    ap.add_argument("--paths", default="graph+overlap", help="compared with --reference: " + ",".join(PATHS))
+    ap.add_argument("--reference", default="eager+sync", choices=list(PATHS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -56,27 +57,31 @@ def main():
     rows = []
     for method in args.methods.split(","):
         s = MethodSettings(method=method, bits=args.bits)
-        ref, ref_logits = greedy(loaded, s, prompt, args.steps, args.ctx, graph=False, overlap=False)
+        ref, ref_logits = greedy(loaded, s, prompt, args.steps, args.ctx, *PATHS[args.reference])
         for path in args.paths.split(","):
             graph, overlap = PATHS[path]
             got, _ = greedy(loaded, s, prompt, args.steps, args.ctx, graph, overlap)
             # the same path fed the reference's tokens: are its logits bit-equal step by step, or how far off?
             _, forced = greedy(loaded, s, prompt, args.steps, args.ctx, graph, overlap, force=ref[:-1])
             diff = (forced - ref_logits).abs().amax(-1)
+            rel = diff / ref_logits.abs().amax(-1)
             top2 = ref_logits.topk(2, -1).values
             first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
             first_logit = next((i for i, d in enumerate(diff.tolist()) if d > 0), None)
             rows.append({"model": loaded.name, "method": method, "path": path, "ctx": args.ctx,
                          "steps": args.steps, "equal": ref == got, "first_difference": first,
                          "tokens": len(ref), "first_logit_difference": first_logit,
-                         "max_logit_difference": diff.max().item(),
+                         "max_logit_difference": diff.max().item(), "reference": args.reference,
+                         "max_relative_logit_difference": rel.max().item(),
+                         "relative_logit_difference_first_steps": rel[:8].tolist(),
                          "margin_at_first_difference": None if first is None else
                          (top2[first, 0] - top2[first, 1]).item()})
-            print(f"{loaded.name} {method} ctx {args.ctx} {path}: {args.steps} greedy steps "
+            print(f"{loaded.name} {method} ctx {args.ctx} {path} vs {args.reference}: {args.steps} greedy steps "
                   + ("identical" if ref == got else f"DIFFER from step {first} (reference's top-2 margin "
                      f"there {rows[-1]['margin_at_first_difference']:.3g})")
                   + f"; logits on the reference's tokens: first differ at step {first_logit}, "
-                  f"max |diff| {diff.max().item():.3g}")
+                  f"max |diff| {diff.max().item():.3g} (relative to max |logit| {rel.max().item():.2e}; first "
+                  f"steps {' '.join(f'{x:.1e}' for x in rel[:6].tolist())})")
     os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, f"equivalence-{loaded.name}-{args.ctx}.json"),
                {"env": environment(torch.device(args.device)), "rows": rows})
