@@ -28,11 +28,11 @@ def greedy(loaded, settings, prompt, steps, max_len, graph: bool, overlap: bool,
     paths can be compared step by step on the same inputs."""
     cache = build_cache(loaded, settings, max_len, overlap=overlap)
     runner = Runner(loaded.model, cache, use_cuda_graph=graph)
-    logits = [runner.prefill(prompt)[0].float()]
+    logits = [runner.prefill(prompt)[0].float().clone()]
     toks = [int(logits[-1].argmax())]
     for i in range(steps):
         feed = toks[-1] if force is None else force[i]
-        logits.append(runner.decode(torch.tensor([[feed]], device=prompt.device))[0].float())
+        logits.append(runner.decode(torch.tensor([[feed]], device=prompt.device))[0].float().clone())
         toks.append(int(logits[-1].argmax()))
     return toks, torch.stack(logits)
 
