@@ -72,7 +72,7 @@ def check_regions(cache: SparseOffloadCache, K, V, kmax_exact=True):
     held_k, held_v = cache.held_kv()
     assert torch.equal(held_k, K[:, :, :cache.length]) and torch.equal(held_v, V[:, :, :cache.length])
     if kmax_exact:  # after a truncation max|K| may over-estimate (it keeps the dropped tokens)
-        assert torch.equal(cache.kmax, K.abs().amax(2))
+        assert torch.equal(cache.kmax_before(), K.abs().amax(2))
 
 
 # --- (a) a budget covering the context reproduces `full`, across tail flushes ------------------------------
@@ -164,12 +164,12 @@ def test_kmax_updated_by_generated_tokens(gen, small_flush):
     sp = One(SparseOffloadCache(spec_of(hq, hkv, D, B), settings()))
     q, K, _ = qkv(gen, B, hq, hkv, P, D)
     sp.attend(q, K, K, 0)
-    assert torch.equal(sp.kmax, K.abs().amax(2))
+    assert torch.equal(sp.kmax_before(), K.abs().amax(2))
     q, k, _ = qkv(gen, B, hq, hkv, 1, D)
     k[0, 1, 0, 5] = -1000.0
     sp.attend(q, k, k, P)
-    assert sp.kmax[0, 1, 5] == 1000.0
-    assert torch.equal(sp.kmax, torch.cat([K, k], 2).abs().amax(2))
+    assert sp.kmax_before()[0, 1, 5] == 1000.0
+    assert torch.equal(sp.kmax_before(), torch.cat([K, k], 2).abs().amax(2))
 
 
 # --- (e) regions after prompts of any length, decodes, flushes, second turns, truncation --------------------
@@ -201,7 +201,7 @@ def test_byte_counts():
     spec = spec_of(8, 2, 16, 1, max_len=256)
     sp = One(SparseOffloadCache(spec, settings()))
     assert sp.host_bytes() == 3 * 2 * 256 * 16 * 4
-    assert sp.device_bytes() == (2 * 4 + 2 * (8 + sparse.FLUSH)) * 2 * 16 * 4 + 2 * 16 * 4
+    assert sp.device_bytes() == (2 * 4 + 2 * (8 + sparse.FLUSH)) * 2 * 16 * 4 + 2 * 2 * 16 * 4  # + two max|K|
 
 
 # --- (f) the predicted query picks the channels -------------------------------------------------------------

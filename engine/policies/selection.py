@@ -63,7 +63,7 @@ class ChannelSelector(TokenSelector):
 
     def channels(self, layer, q_sel):
         """The r channels per KV head [B, Hkv, r] whose K^T rows are fetched, from the query q_sel."""
-        return topk_channels(channel_scores(q_sel, layer.kmax, self.channel_rule), layer.r)
+        return topk_channels(channel_scores(q_sel, layer.kmax_before(), self.channel_rule), layer.r)
 
 
 class ObservedSelector(TokenSelector):
