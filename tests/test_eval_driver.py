@@ -318,6 +318,22 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
         assert merged[key] == ref[key], key
     assert len(merged["merged_from"]) == 3 and merged["shard"] is None
     check_png(os.path.join(out, "eval_budgets.png"))
+    # a shard cut short (as a time limit leaves it): an error naming --partial, which merges what finished
+    path = os.path.join(out, "eval.shard-2-of-3.json")
+    part = load(path)
+    last = max(r["item"] for r in part["records"])
+    with open(path, "w") as f:
+        json.dump(dict(part, records=[r for r in part["records"] if r["item"] != last], complete=False), f)
+    r = invoke("eval-merge", out)
+    assert r.exit_code == 1 and "--partial" in r.output and "Traceback" not in r.output
+    r = invoke("eval-merge", out, "--partial")
+    assert r.exit_code == 0, r.output
+    cut = load(os.path.join(out, "eval.json"))
+    assert cut["complete"] is False and any(w.startswith("partial merge") for w in cut["warnings"])
+    assert len(cut["records"]) < len(merged["records"]) and "partial merge" in r.output
+    n_cut = sum(c["n"] for c in cut["summary"]["budgets"][next(iter(cut["summary"]["budgets"]))]["overall"].values())
+    n_all = sum(c["n"] for c in merged["summary"]["budgets"][next(iter(merged["summary"]["budgets"]))]["overall"].values())
+    assert n_cut < n_all
     # a missing shard is a one-line error
     os.remove(os.path.join(out, "eval.shard-1-of-3.json"))
     r = invoke("eval-merge", out)

@@ -120,10 +120,12 @@ def register(main: click.Group) -> list[click.Command]:
     @main.command("eval-merge")
     @click.argument("folder", type=click.Path(file_okay=False))
     @click.option("--out", type=click.Path(file_okay=False), default=None, help="where to write (default FOLDER)")
+    @click.option("--partial", is_flag=True, help="merge what the shards finished even if items are left (the "
+                  "result says complete: false; each table cell counts its samples)")
     @ui.friendly
-    def eval_merge(folder, out):
+    def eval_merge(folder, out, partial):
         """Merge the eval.shard-*-of-*.json files of FOLDER into eval.json + tables + PNG."""
-        run_merge(folder, out)
+        run_merge(folder, out, partial)
 
     return [eval_cmd, eval_merge]
 
@@ -278,7 +280,7 @@ def run_items(items, loaded, plan, suites, texts, records, bar, save, lines: boo
                 ui.err.print(item_line(i, len(items), what, recs), markup=False)
 
 
-def run_merge(folder: str, out: str | None) -> None:
+def run_merge(folder: str, out: str | None, partial: bool = False) -> None:
     from tailorkv.engine import ui
     from tailorkv.engine.evaluation import merge as M
     from tailorkv.engine.evaluation.report import write_outputs
@@ -295,7 +297,7 @@ def run_merge(folder: str, out: str | None) -> None:
             shards.append((os.path.basename(f), M.read_json(f)))
         except ValueError as e:
             raise ui.UserError(f"{f} is not valid JSON ({e}): rerun that shard") from None
-    res, warnings = M.merge_shards(shards)
+    res, warnings = M.merge_shards(shards, partial)
     for w in warnings:
         ui.err.print(f"[yellow]{escape(w)}[/]")
     paths = write_outputs(res, out or folder)

@@ -6,7 +6,10 @@ def title_line(res: dict) -> str:
     m, e = res.get("model") or {}, res["eval"]
     env = res.get("env") or {}
     where = env.get("gpu") or env.get("device") or "?"
-    return (f"{m.get('name', '?')} on {where}; {e['samples_per_task']} samples/task, seed {e['seed']}, "
+    samples = f"{e['samples_per_task']} samples/task"
+    if res.get("complete") is False:  # a partial merge, or a shard's own file
+        samples = f"up to {samples} (partial: {len(res.get('records', []))} records)"
+    return (f"{m.get('name', '?')} on {where}; {samples}, seed {e['seed']}, "
             f"question {e['question']}, protocol {e['protocol']}, {budget_line(e)}")
 
 

@@ -9,9 +9,10 @@ from tailorkv.engine.evaluation.summary import results
 SAME_KEYS = ("schema", "kind", "eval", "settings", "layer_policies", "suites_hash")
 
 
-def merge_shards(shards: list[tuple[str, dict]]) -> tuple[dict, list[str]]:
+def merge_shards(shards: list[tuple[str, dict]], partial: bool = False) -> tuple[dict, list[str]]:
     """[(file name, shard results)] -> (merged results, warnings). Raises ValueError when the shards do not
-    belong to one plan, overlap, or leave items out."""
+    belong to one plan, overlap, or leave items out (partial: items left out are a warning, the merged results
+    say complete: false and every table cell counts the samples it averages)."""
     if not shards:
         raise ValueError("no eval.shard-*-of-*.json files to merge")
     name0, first = shards[0]
@@ -43,15 +44,21 @@ def merge_shards(shards: list[tuple[str, dict]]) -> tuple[dict, list[str]]:
             records.append(r)
     keys = plan.record_keys()
     left = sorted(set(range(len(keys))) - set(seen))
-    if left:
+    if left and not partial:
         raise ValueError(f"{len(left)} records have no result (first: item {keys[left[0]][0]}): a shard did not "
-                         f"finish; rerun it")
+                         f"finish; rerun it with --resume, or merge what finished with --partial")
+    if left:
+        items = sorted({keys[i][0] for i in left})
+        warnings.append(f"partial merge: {len(left)} of {len(keys)} records have no result (items "
+                        f"{', '.join(map(str, items[:10]))}{' ...' if len(items) > 10 else ''}); the tables "
+                        f"average the samples that finished")
     commits = {res["env"].get("git_commit") for _, res in shards}
     if len(commits) > 1:
         warnings.append(f"the shards ran at different commits: {sorted(map(str, commits))}")
     merged = results(command=first["command"], args=first["args"], env=first["env"], model=first["model"],
                      plan=plan, shard=None, records=records, suites_hash=first.get("suites_hash"),
-                     layer_policies=first.get("layer_policies"), warnings=first.get("warnings"),
+                     layer_policies=first.get("layer_policies"),
+                     warnings=(first.get("warnings") or []) + [w for w in warnings if w.startswith("partial")],
                      merged_from=[{"file": name, "command": res["command"], "date": res["env"].get("date"),
                                    "git_commit": res["env"].get("git_commit")} for name, res in shards])
     return merged, warnings
