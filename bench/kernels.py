@@ -1,6 +1,6 @@
 """Device check and timing of every CUDA kernel of ops/ against its torch reference and the stock alternative.
 From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,approx]
-(`quant` stands for qk,av). For each kernel: max relative error against the reference on fresh random inputs at
+(`quant` stands for qk,av,qattn). For each kernel: max relative error against the reference on fresh random inputs at
 2-3 shapes (PASS/FAIL), then the time of one call (CUDA events around replays of a CUDA graph that holds several
 calls, inputs rotating over sets that together exceed the 60 MB L2; median of 50), the bytes it must move, the
 rate against the ceiling (HBM 4300 GB/s read+write; PCIe 55 GB/s for the pinned-host gathers), and the baseline's
@@ -176,6 +176,42 @@ def bench_av():
     return out
 
 
+def decode_state(bits, B, Hq, Hkv, T, D, R=128):
+    """A quantized layer's decode inputs at T key positions: q, packed K, packed V (T + R rows), the ring."""
+    q, keys, _, vals = quant_inputs(bits, B, Hq, Hkv, T + R, D, torch.bfloat16)
+    keys = tuple(k[:, :, :T // (32 // bits)] if i == 0 else k[:, :, :T // 64] for i, k in enumerate(keys))
+    return q, keys, vals, randn(B, Hkv, R + 1, D, dtype=torch.bfloat16)
+
+
+def bench_qattn():
+    """The whole 1/2-bit decode attention (quant_decode_attention) against the composition it replaces."""
+    from tailorkv.ops.quant_attention import quant_decode_attention as qda
+    out = []
+    for bits in (1, 2):
+        checks = []
+        for (B, Hq, Hkv, T, D, nk, p) in ((1, 32, 8, 8192, 128, 8064, 8150), (2, 9, 3, 1280, 64, 1024, 1100)):
+            q, keys, vals, ring = decode_state(bits, B, Hq, Hkv, T, D)
+            sc = (torch.tensor(nk, device=DEV), torch.tensor([p], device=DEV))
+            k = kernel("quant_decode_attention", q, *keys, *vals, ring, *sc)
+            got = k(q, *keys, *vals, ring, *sc, bits, 64, min(64, D), 0.088)
+            want = qda.reference(q, *keys, *vals, ring, *sc, bits, 64, min(64, D), 0.088)
+            checks.append(check(f"B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} nk={nk} o", got[0], want[0], 1e-4))
+            checks.append(check(f"B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} nk={nk} lse", got[1], want[1], 1e-5))
+        B, Hq, Hkv, T, D = 1, 32, 8, 131072, 128
+        packed = 2 * Hkv * T * D * (bits / 8 + 4 / 64)        # K and V: codes + fp16 scale and min per 64
+        sets = [decode_state(bits, B, Hq, Hkv, T, D) for _ in range(n_sets(packed))]
+        sc = (torch.tensor(T - 128, device=DEV), torch.tensor([T - 1], device=DEV))
+        k = kernel("quant_decode_attention", sets[0][0], *sets[0][1], *sets[0][2], sets[0][3], *sc)
+        ms, mode = gpu_time([lambda s=s, k=k, bits=bits: k(s[0], *s[1], *s[2], s[3], *sc, bits, 64, 64, 0.088)
+                             for s in sets])
+        base_ms, _ = gpu_time([lambda s=s, bits=bits: qda.reference(s[0], *s[1], *s[2], s[3], *sc, bits, 64, 64,
+                                                                    0.088) for s in sets[:2]], reps=20)
+        out.append(result(f"quant_decode_attention {bits}-bit T=128k Hq=32 Hkv=8 D=128", checks, ms, mode, packed,
+                          HBM, "qk_quant + softmax + av_quant", base_ms,
+                          dict(packed_bytes=packed, packed_GBps=packed / ms / 1e6)))
+    return out
+
+
 def bench_attend():
     checks = []
     for (B, Hq, Hkv, N, D, lens, dt) in ((1, 32, 8, 8192, 128, [8192], torch.bfloat16),
@@ -228,15 +264,16 @@ def bench_approx():
     return [result(f"approx_scores bf16 r={r} N=128k Hkv=8", checks, ms, mode, nbytes, HBM, "torch reference", base_ms)]
 
 
-BENCHES = {"gather": bench_gather, "qk": bench_qk, "av": bench_av, "attend": bench_attend, "approx": bench_approx}
+BENCHES = {"gather": bench_gather, "qk": bench_qk, "av": bench_av, "qattn": bench_qattn, "attend": bench_attend,
+           "approx": bench_approx}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for kernels.json")
-    ap.add_argument("--only", default="", help="comma-separated: " + ",".join(BENCHES) + " (quant = qk,av)")
+    ap.add_argument("--only", default="", help="comma-separated: " + ",".join(BENCHES) + " (quant = qk,av,qattn)")
     a = ap.parse_args()
-    names = [n for part in a.only.split(",") if part for n in (("qk", "av") if part == "quant" else (part,))] or list(BENCHES)
+    names = [n for part in a.only.split(",") if part for n in (("qk", "av", "qattn") if part == "quant" else (part,))] or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         sys.exit(f"unknown bench {unknown}; choose from {list(BENCHES)}")

@@ -50,19 +50,6 @@ _SOURCE = r"""
 #define OFF_P (OFF_M + 8 * NGD)
 #define STAGE_WORDS (OFF_P + 16 * GMAX)
 
-__device__ __forceinline__ float bf16_part(float x, int s) {{
-    float hi = __bfloat162float(__float2bfloat16_rn(x));
-    if (s == 0) return hi;
-    x -= hi; hi = __bfloat162float(__float2bfloat16_rn(x));
-    if (s == 1) return hi;
-    return __bfloat162float(__float2bfloat16_rn(x - hi));
-}}
-
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {{
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32) av_quant_partial(
         const float* __restrict__ probs, const long long psb, const long long psh,
         const unsigned* __restrict__ codes, const long long csb, const long long csh,

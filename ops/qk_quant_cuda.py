@@ -42,14 +42,6 @@ typedef {qt} qtype;
 #define STAGES {stages}
 #define STAGE_WORDS (ROWS * D + D) // code rows, then D fp16 scales and D fp16 mins
 
-__device__ __forceinline__ unsigned q_part(float x, float y, int e, int s) {{
-    x = ldexpf(x, e); y = ldexpf(y, e);
-    __half hx = __float2half_rn(x), hy = __float2half_rn(y);
-    if (s == 1) {{ hx = __float2half_rn(x - __half2float(hx)); hy = __float2half_rn(y - __half2float(hy)); }}
-    __half2 h = __halves2half2(hx, hy);
-    return *reinterpret_cast<unsigned*>(&h);
-}}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
         const qtype* __restrict__ q, const long long qsb, const long long qsh,
         const unsigned* __restrict__ codes, const long long csb, const long long csh,

@@ -1,5 +1,6 @@
-"""CUDA C helpers shared by the packed 1/2-bit kernels (qk_quant_cuda, av_quant_cuda): warp MMA m16n8k16 with
-fp32 accumulation, byte permute, rotate, and cp.async staging (global -> shared, zero-filled past the end)."""
+"""CUDA C helpers shared by the packed 1/2-bit kernels (qk_quant_cuda, av_quant_cuda, quant_decode_cuda): warp
+MMA m16n8k16 with fp32 accumulation, the fp16 / bf16 splits of its operands, byte permute, rotate, and cp.async
+staging (global -> shared, zero-filled past the end)."""
 
 HELPERS = r"""
 #include <cuda_fp16.h>
@@ -64,6 +65,29 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// q split for fp16 MMA operands: part s (0: hi, 1: lo) of (x, y) * 2^e
+__device__ __forceinline__ unsigned q_part(float x, float y, int e, int s) {
+    x = ldexpf(x, e); y = ldexpf(y, e);
+    __half hx = __float2half_rn(x), hy = __float2half_rn(y);
+    if (s == 1) { hx = __float2half_rn(x - __half2float(hx)); hy = __float2half_rn(y - __half2float(hy)); }
+    __half2 h = __halves2half2(hx, hy);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// part s (0, 1, 2) of x in bf16: hi + mid + lo carry about 24 bits
+__device__ __forceinline__ float bf16_part(float x, int s) {
+    float hi = __bfloat162float(__float2bfloat16_rn(x));
+    if (s == 0) return hi;
+    x -= hi; hi = __bfloat162float(__float2bfloat16_rn(x));
+    if (s == 1) return hi;
+    return __bfloat162float(__float2bfloat16_rn(x - hi));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
 }
 
 __device__ __forceinline__ float to_float(float x) { return x; }

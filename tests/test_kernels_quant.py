@@ -12,7 +12,7 @@ import torch
 
 from tailorkv.ops import dispatch
 from tailorkv.ops.quant import codes_per_word, quantize_keys, quantize_values, unpack
-from tailorkv.ops.quant_attention import av_quant, qk_quant
+from tailorkv.ops.quant_attention import av_quant, qk_quant, quant_decode_attention
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_kernels_quant seed: TAILORKV_SEED={SEED}")
@@ -153,3 +153,101 @@ def test_av_quant_kernel_is_deterministic_and_captured_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, first)
+
+
+def decode_inputs(g, bits, B, hq, hkv, T, D, R, qdtype, vdtype, device):
+    """A quantized layer's decode state: T key positions (whole groups), values quantized for T + R rows, a ring
+    of R + 1 exact rows."""
+    kc, ks, km = random_keys(g, B, hkv, T, D, bits, "cpu")
+    vg = min(64, D)
+    vc, vs, vm = quantize_values(torch.randn(B, hkv, T + R, D, generator=g) * 2, bits, vg)
+    ring = torch.randn(B, hkv, R + 1, D, generator=g).to(vdtype)
+    q = (torch.randn(B, hq, 1, D, generator=g) * 3).to(qdtype)
+    return [t.to(device) for t in (q, kc, ks, km, vc, vs, vm, ring)]
+
+
+def plain_decode(q, kc, ks, km, vc, vs, vm, ring, nk, p, bits, sm):
+    """The formula: softmax over positions [0, nk) of q . dequantized K; a position's value is dequantized
+    before p - R, the ring's slot position % (R + 1) from there on."""
+    B, hq, _, D = q.shape
+    hkv, R1 = kc.shape[1], ring.shape[2]
+    keys = plain_keys(kc, ks, km, bits)[:, :, :nk].double()
+    vals = plain_values(vc, vs, vm, bits, min(64, D))[:, :, :nk].double()
+    vq = max(0, p - (R1 - 1))
+    for t in range(vq, nk):
+        vals[:, :, t] = ring[:, :, t % R1].double()
+    qg = q.double().reshape(B, hkv, hq // hkv, D)
+    s = qg @ keys.transpose(-1, -2) * sm
+    lse = torch.logsumexp(s, -1) if nk else torch.full(s.shape[:-1], float("-inf"), dtype=torch.float64)
+    o = torch.softmax(s, -1) @ vals if nk else torch.zeros(B, hkv, hq // hkv, D, dtype=torch.float64)
+    return o.reshape(B, hq, 1, D), lse.reshape(B, hq, 1)
+
+
+DECODE_CASES = [  # (bits, B, Hq, Hkv, T, D, R, nk, p)
+    (1, 1, 32, 8, 1024, 128, 128, 1024, 1100), (2, 1, 8, 2, 512, 64, 64, 320, 350),
+    (1, 2, 9, 3, 256, 64, 64, 0, 40), (2, 1, 4, 4, 384, 128, 128, 256, 300), (1, 1, 4, 1, 128, 128, 128, 64, 100),
+]
+
+
+@pytest.mark.parametrize("bits, B, hq, hkv, T, D, R, nk, p", DECODE_CASES)
+def test_quant_decode_reference_equals_formula(bits, B, hq, hkv, T, D, R, nk, p):
+    g = torch.Generator().manual_seed(SEED + 20)
+    args = decode_inputs(g, bits, B, hq, hkv, T, D, R, torch.float32, torch.float32, "cpu")
+    sm = 1 / math.sqrt(D)
+    o, lse = quant_decode_attention.reference(*args, torch.tensor(nk), torch.tensor([p]), bits, 64, min(64, D), sm)
+    o_ref, lse_ref = plain_decode(*args, nk, p, bits, sm)
+    assert rel_err(o, o_ref) < 1e-5 if nk else torch.equal(o, torch.zeros_like(o))
+    assert torch.allclose(lse.double(), lse_ref, atol=1e-5) if nk else bool((lse == float("-inf")).all())
+
+
+KERNEL_DECODE_CASES = [  # (bits, B, Hq, Hkv, T, D, R, nk, p, q dtype, ring dtype)
+    (1, 1, 32, 8, 8192, 128, 128, 8064, 8150, torch.bfloat16, torch.bfloat16),
+    (2, 1, 32, 8, 8192, 128, 128, 5000, 5100, torch.bfloat16, torch.bfloat16),   # nk inside a chunk and a group
+    (1, 2, 9, 3, 1280, 64, 128, 1024, 1100, torch.float16, torch.float16),
+    (2, 1, 64, 8, 2048, 128, 128, 1920, 2000, torch.float32, torch.float32),      # G = 8, fp32 q
+    (1, 1, 32, 32, 1024, 128, 128, 896, 1000, torch.bfloat16, torch.bfloat16),    # G = 1
+    (1, 1, 40, 4, 1024, 128, 128, 1024, 1150, torch.bfloat16, torch.bfloat16),    # G = 10
+    (1, 1, 32, 8, 512, 128, 128, 0, 60, torch.bfloat16, torch.bfloat16),          # nothing quantized yet
+    (1, 1, 32, 8, 131072, 128, 128, 130944, 131050, torch.bfloat16, torch.bfloat16),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits, B, hq, hkv, T, D, R, nk, p, qdtype, vdtype", KERNEL_DECODE_CASES)
+def test_quant_decode_kernel_equals_reference(bits, B, hq, hkv, T, D, R, nk, p, qdtype, vdtype):
+    g = torch.Generator().manual_seed(SEED + 21)
+    args = decode_inputs(g, bits, B, hq, hkv, T, D, R, qdtype, vdtype, "cuda")
+    nk_t, p_t = torch.tensor(nk, device="cuda"), torch.tensor([p], device="cuda")
+    sm = 1 / math.sqrt(D)
+    kern = dispatch.kernel_for("quant_decode_attention", *args)
+    assert kern is not None
+    poison_allocator(B * hq * D * 4)
+    o, lse = kern(*args, nk_t, p_t, bits, 64, min(64, D), sm)
+    o_ref, lse_ref = quant_decode_attention.reference(*args, nk_t, p_t, bits, 64, min(64, D), sm)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    if nk:
+        assert rel_err(o, o_ref) < 1e-4
+        assert (lse - lse_ref).abs().max().item() < 1e-4
+    else:
+        assert torch.equal(o, torch.zeros_like(o)) and bool((lse == float("-inf")).all())
+
+
+@pytest.mark.cuda
+def test_quant_decode_kernel_reads_device_scalars_in_a_graph():
+    """Captured once, replayed with other nk and p (as a decode graph is): each replay equals the reference."""
+    g = torch.Generator().manual_seed(SEED + 22)
+    args = decode_inputs(g, 1, 1, 32, 8, 4096, 128, 128, torch.bfloat16, torch.bfloat16, "cuda")
+    nk_t, p_t = torch.tensor(3840, device="cuda"), torch.tensor([3900], device="cuda")
+    run = lambda: quant_decode_attention(*args, nk_t, p_t, 1, 64, 64, 0.088)  # noqa: E731
+    first = run()
+    assert all(torch.equal(a, b) for a, b in zip(first, run()))    # deterministic
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for nk, p in [(3840, 3900), (3968, 4000), (4096, 4200), (128, 200)]:
+        nk_t.fill_(nk)
+        p_t.fill_(p)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = quant_decode_attention.reference(*args, nk_t, p_t, 1, 64, 64, 0.088)
+        assert rel_err(captured[0], ref[0]) < 1e-4 and (captured[1] - ref[1]).abs().max().item() < 1e-4

@@ -16,7 +16,7 @@ import re
 # first match wins; patterns are matched against lower-cased kernel names
 STAGES = (
     ("pcie gather", r"gather_rows"),
-    ("1/2-bit attention", r"qk_quant|av_quant"),
+    ("1/2-bit attention", r"qk_quant|av_quant|quant_attn"),
     ("selection", r"approx_scores|topk|radix|sort|bitonic|channel"),
     ("attention", r"attend_|flash|fmha|attention|cudnn|softmax"),
     ("dense (gemm/gemv)", r"gemm|gemv|cutlass|xmma|nvjet|sm90|sm80|splitk|cublas"),

@@ -9,12 +9,12 @@
 - Attention always sees a step's new tokens exactly. A multi-token step with no past attends over the exact
   prompt (as KIVI does); with a past, over [dequantized quantized part ; exact residual ; new tokens] with the
   causal mask; it stores as it goes.
-- Decode (static shapes for a graph; `nkq` is also a device scalar): scores over the quantized keys of a
-  bucket of `kb` >= nkq positions (those past nkq masked) and over the R residual slots, one fp32 softmax;
-  the probabilities, placed at their positions, weight the quantized values before the window
-  (`av_quant`) and the ring's values. The token leaving the value window still counts exactly in this step
-  (the ring's extra slot holds it) and is quantized in the same step for the ones after (so running the step
-  twice gives the same state).
+- Decode (static shapes for a graph; `nkq` is also a device scalar): the quantized keys of a bucket of
+  `kb` >= nkq positions (those past nkq masked) weight the values quantized before the window and the ring's
+  after it (`quant_decode_attention`: one op, one kernel); the R residual slots weight their values from the
+  ring; the two parts merge by their logsumexps (one softmax over both). The token leaving the value window
+  still counts exactly in this step (the ring's extra slot holds it) and is quantized in the same step for the
+  ones after (so running the step twice gives the same state).
 
 After storing L tokens: keys [0, nkq) quantized, [nkq, L) exact; values [0, max(0, L-R)) quantized, the rest
 exact. Buffers are preallocated; `truncate` only supports a no-op or 0.
@@ -30,7 +30,7 @@ from tailorkv.engine.settings import MethodSettings
 from tailorkv.engine.step import bucket_for
 from tailorkv.ops.attention import causal_attention, softmax_scale
 from tailorkv.ops.quant import codes_per_word, dequantize_keys, dequantize_values, quantize_keys, quantize_values
-from tailorkv.ops.quant_attention import av_quant, qk_quant
+from tailorkv.ops.quant_attention import quant_decode_attention
 
 STORE_CHUNK = 16384  # prompt tokens quantized at a time
 
@@ -136,31 +136,23 @@ class QuantCache(LayerCache):
         leaving = self.v_ring.index_select(2, (p + 1) % (R + 1))
         self._put_values(quantize_values(leaving, self.bits, self.vgroup), (p - R).clamp_min(0))
         self.v_ring.index_copy_(2, p % (R + 1), v)
-        # scores: the quantized keys of the bucket, then the residual slots
-        kb = self._kb
+        # the residual keys (positions nkq + i, exact) with their values from the ring, as one softmax part
+        slots = self.nkq_dev + torch.arange(R, device=dev)
         s_res = (q.float().reshape(B, H, G, D) @ self.k_res.float().transpose(-1, -2) * sm).reshape(B, Hq, 1, R)
         s_res = s_res.masked_fill(torch.arange(R, device=dev) > j, float("-inf"))
-        if kb:
+        lse = torch.logsumexp(s_res, -1, keepdim=True)
+        v_res = self.v_ring.index_select(2, slots % (R + 1)).float()
+        out = (torch.exp(s_res - lse).reshape(B, H, G, R) @ v_res).reshape(B, Hq, 1, D)
+        kb = self._kb
+        if kb:  # the quantized keys of the bucket (values quantized before p - R, the ring's after): merged by lse
             cpw, g = codes_per_word(self.bits), self.group
-            s_q = qk_quant(q, self.k_codes[:, :, :kb // cpw], self.k_scale[:, :, :kb // g],
-                           self.k_min[:, :, :kb // g], self.bits, self.group, sm_scale=sm)
-            s_q = s_q.masked_fill(torch.arange(kb, device=dev) >= self.nkq_dev, float("-inf"))
-            probs = torch.softmax(torch.cat([s_q, s_res], -1), -1)
-            at_pos = torch.zeros(B, Hq, 1, kb + R, dtype=torch.float32, device=dev)
-            at_pos[..., :kb] = probs[..., :kb]
-            at_pos.index_add_(3, self.nkq_dev + torch.arange(R, device=dev), probs[..., kb:])
-        else:
-            at_pos = torch.softmax(s_res, -1)  # nothing quantized yet: slot j is position j
-        # values: quantized before p - R; the ring's R + 1 slots hold p - R .. p exactly (p - R leaves the
-        # window after this step: it was quantized above for the steps after this one)
-        n = at_pos.shape[-1]
-        before = at_pos * (torch.arange(n, device=dev) < p - R)
-        out = av_quant(before, self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_min[:, :, :n], self.bits,
-                       self.vgroup)
-        back = (p - torch.arange(R + 1, device=dev)) % (R + 1)   # ring slot s holds position p - back[s]
-        in_window = back <= p
-        w = at_pos.gather(3, (p - back).clamp_min(0).expand(B, Hq, 1, R + 1)) * in_window
-        out = out + (w.reshape(B, H, G, R + 1) @ self.v_ring.float()).reshape(B, Hq, 1, D)
+            o_q, lse_q = quant_decode_attention(
+                q, self.k_codes[:, :, :kb // cpw], self.k_scale[:, :, :kb // g], self.k_min[:, :, :kb // g],
+                self.v_codes, self.v_scale, self.v_min, self.v_ring, self.nkq_dev, p, self.bits, self.group,
+                self.vgroup, sm)
+            top = torch.maximum(lse, lse_q.unsqueeze(-1))
+            w_r, w_q = torch.exp(lse - top), torch.exp(lse_q.unsqueeze(-1) - top)
+            out = (out * w_r + o_q * w_q) / (w_r + w_q)
         return out.to(q.dtype)
 
     # --- storing ------------------------------------------------------------------------------------------
