@@ -115,51 +115,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) av_quant_partial(
         const __half* sm = reinterpret_cast<const __half*>(st + OFF_M);
         const float* sp = reinterpret_cast<const float*>(st + OFF_P);
 
-        unsigned a[NGD][MT][4];
+        float pr[MT][2][4];
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {{
-            float pr[4] = {{0.f, 0.f, 0.f, 0.f}};
+            pr[mt][ri][0] = pr[mt][ri][1] = pr[mt][ri][2] = pr[mt][ri][3] = 0.f;
             if (part_of[mt][ri] >= 0) {{
                 const float4 p4 = *reinterpret_cast<const float4*>(sp + head_of[mt][ri] * 16 + 4 * c);
-                pr[0] = p4.x; pr[1] = p4.y; pr[2] = p4.z; pr[3] = p4.w;
-            }}
-            #pragma unroll
-            for (int gd = 0; gd < NGD; ++gd) {{
-                float x[4];
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {{
-                    const int tk = 4 * c + j;
-                    x[j] = bf16_part(pr[j] * __half2float(ss[tk * NGD + gd]), part_of[mt][ri]);
-                    if (part_of[mt][ri] == 0) bacc[mt][ri][gd] += pr[j] * __half2float(sm[tk * NGD + gd]);
-                }}
-                a[gd][mt][ri] = pack_bf16(x[0], x[1]);       // rows r0 (ri 0) / r1 (ri 1), k = 2c, 2c+1
-                a[gd][mt][2 + ri] = pack_bf16(x[2], x[3]);   // k = 2c+8, 2c+9
+                pr[mt][ri][0] = p4.x; pr[mt][ri][1] = p4.y; pr[mt][ri][2] = p4.z; pr[mt][ri][3] = p4.w;
             }}
         }}
-
-        unsigned w[4][WPT];                                  // this lane's 4 tokens, rotated for channel g
-        #pragma unroll
-        for (int j = 0; j < 4; ++j)
-        #pragma unroll
-        for (int k = 0; k < WPT; ++k) w[j][k] = rotr(st[(4 * c + j) * WPT + k], BITS * g);
-        const unsigned mask = BITS == 1 ? 0x00010001u : 0x00030003u;
-        const __nv_bfloat162 base = __floats2bfloat162_rn(128.f, 128.f);
-        #pragma unroll
-        for (int nt = 0; nt < NTILE; ++nt) {{
-            const int k = nt / TPW;
-            const unsigned by = (nt % TPW) * BITS;
-            const unsigned sel = by | (by << 4) | ((4u + by) << 8) | ((4u + by) << 12);
-            unsigned x0 = (prmt(w[0][k], w[1][k], sel) & mask) | 0x43004300u;
-            unsigned x1 = (prmt(w[2][k], w[3][k], sel) & mask) | 0x43004300u;
-            __nv_bfloat162 y0 = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&x0), base);
-            __nv_bfloat162 y1 = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&x1), base);
-            const int gd = nt * 8 / VG;
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                mma_bf16(acc[mt][nt], a[gd][mt], *reinterpret_cast<unsigned*>(&y0), *reinterpret_cast<unsigned*>(&y1));
-        }}
+        value_tile_mma<BITS, D, MT>(acc, bacc, pr, part_of, st, ss, sm, g, c);
         __syncwarp();
     }}
 

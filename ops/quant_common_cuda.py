@@ -93,6 +93,55 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// One 16-token tile of a value product (av_quant, quant_decode): A row r = part * G + head holds part `part_of`
+// (of 3, bf16) of p * scale for this lane's 4 tokens (pr[mt][ri][j]: rows r0 = 16 mt + g, r1 = r0 + 8; tokens
+// 4c + j); B = the codes of the tile's 16 tokens staged at st (WPT words each), as bf16 0..3; acc += A B and, for
+// part 0, bacc += p * min. ss, sm: the tile's fp16 scales and mins (NGD per token).
+template <int BITS, int D, int MT>
+__device__ __forceinline__ void value_tile_mma(float (&acc)[MT][D / 8][4], float (&bacc)[MT][2][D < 64 ? 1 : D / 64],
+                                               const float (&pr)[MT][2][4], const int (&part_of)[MT][2],
+                                               const unsigned* st, const __half* ss, const __half* sm, int g, int c) {
+    constexpr int CPW = 32 / BITS, WPT = D / CPW, VG = D < 64 ? D : 64, NGD = D / VG, NTILE = D / 8, TPW = CPW / 8;
+    unsigned a[NGD][MT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int ri = 0; ri < 2; ++ri)
+    #pragma unroll
+    for (int gd = 0; gd < NGD; ++gd) {
+        float x[4];
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int tk = 4 * c + j;
+            x[j] = bf16_part(pr[mt][ri][j] * __half2float(ss[tk * NGD + gd]), part_of[mt][ri]);
+            if (part_of[mt][ri] == 0) bacc[mt][ri][gd] += pr[mt][ri][j] * __half2float(sm[tk * NGD + gd]);
+        }
+        a[gd][mt][ri] = pack_bf16(x[0], x[1]);       // rows r0 (ri 0) / r1 (ri 1), k = 2c, 2c+1
+        a[gd][mt][2 + ri] = pack_bf16(x[2], x[3]);   // k = 2c+8, 2c+9
+    }
+    unsigned w[4][WPT];                              // this lane's 4 tokens, rotated for channel g
+    #pragma unroll
+    for (int j = 0; j < 4; ++j)
+    #pragma unroll
+    for (int k = 0; k < WPT; ++k) w[j][k] = rotr(st[(4 * c + j) * WPT + k], BITS * g);
+    const unsigned mask = BITS == 1 ? 0x00010001u : 0x00030003u;
+    const __nv_bfloat162 base = __floats2bfloat162_rn(128.f, 128.f);
+    #pragma unroll
+    for (int nt = 0; nt < NTILE; ++nt) {
+        const int k = nt / TPW;
+        const unsigned by = (nt % TPW) * BITS;
+        const unsigned sel = by | (by << 4) | ((4u + by) << 8) | ((4u + by) << 12);
+        unsigned x0 = (prmt(w[0][k], w[1][k], sel) & mask) | 0x43004300u;
+        unsigned x1 = (prmt(w[2][k], w[3][k], sel) & mask) | 0x43004300u;
+        __nv_bfloat162 y0 = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&x0), base);
+        __nv_bfloat162 y1 = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&x1), base);
+        const int gd = nt * 8 / VG;
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            mma_bf16(acc[mt][nt], a[gd][mt], *reinterpret_cast<unsigned*>(&y0), *reinterpret_cast<unsigned*>(&y1));
+    }
+}
 """
 
 C_TYPES = {"torch.float32": "float", "torch.float16": "__half", "torch.bfloat16": "__nv_bfloat16"}

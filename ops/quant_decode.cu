@@ -239,51 +239,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) quant_attn_partial(
         const unsigned* st = stage[warp][i % STAGES];
         const __half* ss = reinterpret_cast<const __half*>(st + VOFF_S);
         const __half* sm = reinterpret_cast<const __half*>(st + VOFF_M);
-        unsigned av[NGD][MTV][4];
+        float pr[MTV][2][4];
         #pragma unroll
         for (int mt = 0; mt < MTV; ++mt)
         #pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-            float pr[4];
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int tk = tl + 4 * c + j;
-                pr[j] = part_of[mt][ri] >= 0 && tk < nq ? sc[head_of[mt][ri]][tk] : 0.f;
-            }
-            #pragma unroll
-            for (int gd = 0; gd < NGD; ++gd) {
-                float x[4];
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int tk = 4 * c + j;
-                    x[j] = bf16_part(pr[j] * __half2float(ss[tk * NGD + gd]), part_of[mt][ri]);
-                    if (part_of[mt][ri] == 0) bacc[mt][ri][gd] += pr[j] * __half2float(sm[tk * NGD + gd]);
-                }
-                av[gd][mt][ri] = pack_bf16(x[0], x[1]);       // rows r0 (ri 0) / r1 (ri 1), k = 2c, 2c+1
-                av[gd][mt][2 + ri] = pack_bf16(x[2], x[3]);   // k = 2c+8, 2c+9
-            }
+        for (int ri = 0; ri < 2; ++ri)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int tk = tl + 4 * c + j;
+            pr[mt][ri][j] = part_of[mt][ri] >= 0 && tk < nq ? sc[head_of[mt][ri]][tk] : 0.f;
         }
-        unsigned w[4][WPT];                                    // this lane's 4 tokens, rotated for channel g
-        #pragma unroll
-        for (int j = 0; j < 4; ++j)
-        #pragma unroll
-        for (int k = 0; k < WPT; ++k) w[j][k] = rotr(st[(4 * c + j) * WPT + k], BITS * g);
-        const unsigned mask = BITS == 1 ? 0x00010001u : 0x00030003u;
-        const __nv_bfloat162 base = __floats2bfloat162_rn(128.f, 128.f);
-        #pragma unroll
-        for (int nt = 0; nt < NTILE; ++nt) {
-            const int k = nt / TPW;
-            const unsigned by = (nt % TPW) * BITS;
-            const unsigned sel = by | (by << 4) | ((4u + by) << 8) | ((4u + by) << 12);
-            unsigned x0 = (prmt(w[0][k], w[1][k], sel) & mask) | 0x43004300u;
-            unsigned x1 = (prmt(w[2][k], w[3][k], sel) & mask) | 0x43004300u;
-            __nv_bfloat162 y0 = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&x0), base);
-            __nv_bfloat162 y1 = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&x1), base);
-            const int gd = nt * 8 / VG;
-            #pragma unroll
-            for (int mt = 0; mt < MTV; ++mt)
-                mma_bf16(vacc[mt][nt], av[gd][mt], *reinterpret_cast<unsigned*>(&y0), *reinterpret_cast<unsigned*>(&y1));
-        }
+        value_tile_mma<BITS, D, MTV>(vacc, bacc, pr, part_of, st, ss, sm, g, c);
         __syncwarp();
     }
     cp_async_wait<0>();
