@@ -1,17 +1,20 @@
-// quant_decode_attention kernels (ops/quant_decode_cuda.py compiles them with BITS, D, G, CT, S, MTV, qtype,
-// vtype, WARPS and STAGES defined): a decode query's whole attention over packed 1/2-bit keys and values
-// (layouts in ops/quant.py) in one pass over the packed bytes, split over the tokens (flash-decoding).
-// 
+// quant_decode_attention kernels (ops/quant_decode_cuda.py compiles them with BITS, D, G, CT, S, MTV, WARPS,
+// qtype and vtype defined): a decode query's whole attention over packed 1/2-bit keys and values (layouts in
+// ops/quant.py) in one pass over the packed bytes, split over the tokens (flash-decoding).
+//
 // quant_attn_partial: one block per (chunk of CT tokens, batch row and KV head), all G query heads of it:
-//   1. scores of the chunk's 64-token key groups on the tensor cores, as qk_quant computes them (A = q * 2^e in
-//      fp16, B = code bit ? scale : 0, the min term seeding the accumulators), into shared memory; positions
-//      >= nk are -inf;
-//   2. per head the chunk's max m and sum l of exp(score - m); the scores become those exponentials;
-//   3. the values, as av_quant computes them (A = p * scale in three bf16 parts, B = the codes; the min term on
-//      the CUDA cores) for positions before p - R, and from the exact ring (slot = position % (R + 1)) after;
+//   0. the chunk's packed keys and values go to shared memory at once (two cp.async groups), so the loads of a
+//      block are all in flight while its query fragments are built;
+//   1. scores of the chunk's 64-token key groups on the tensor cores (A = q * 2^e in fp16, B = code bit ? scale
+//      : 0, the min term seeding the accumulators), into shared memory;
+//   2. per head the chunk's max m and sum l of exp(score - m); each score becomes its exponential split into
+//      two fp16 parts (hi, lo) in place;
+//   3. the values on the tensor cores for positions before p - R: A rows part * G + head = the exponentials'
+//      parts, B = code bit ? scale : 0 (bit 1 of a 2-bit code: 2 * scale), and one more product with B = the
+//      tokens' mins; positions from p - R on take their exact values from the ring (slot = position % (R + 1));
 //   4. the block's sum [G, D] (warps added in a fixed order), m and l.
-// quant_attn_reduce: per (batch row, query head), the chunks merged in order: o = sum w_c acc_c / sum w_c l_c with
-// w_c = exp(m_c - max m), lse = max m + log(sum w_c l_c). Deterministic, no atomics.
+// quant_attn_reduce: per (batch row, query head, 32 channels), the chunks merged in order: o = sum w_c acc_c /
+// sum w_c l_c with w_c = exp(m_c - max m), lse = max m + log(sum w_c l_c). Deterministic, no atomics.
 #define CPW (32 / BITS)
 #define KT (D / 16)
 #define KROWS (64 / CPW)            // key code word rows per 64-token group
@@ -21,16 +24,28 @@
 #define NGD (D / VG)
 #define NTILE (D / 8)
 #define TPW (CPW / 8)               // 8-channel tiles per value word
+#define NKG (CT / 64)               // key groups per chunk
 #define KSTAGE (KROWS * D + D)      // words: a key group's codes, then D fp16 scales and D fp16 mins
-#define VOFF_S (16 * WPT)           // words: 16 tokens' value codes, then their scales and mins
-#define VOFF_M (VOFF_S + 8 * NGD)
-#define VSTAGE (VOFF_M + 8 * NGD)
-#define STAGE_WORDS (KSTAGE > VSTAGE ? KSTAGE : VSTAGE)
-#define RED_WORDS (16 * MTV * (D + 1))
-#define UNION_WORDS (WARPS * STAGES * STAGE_WORDS > RED_WORDS ? WARPS * STAGES * STAGE_WORDS : RED_WORDS)
+#define OFF_V (NKG * KSTAGE)        // the chunk's value codes (CT * WPT words)
+#define OFF_VS (OFF_V + CT * WPT)   // their fp16 scales [CT][NGD], then mins
+#define OFF_VM (OFF_VS + CT * NGD / 2)
+#define STAGE_WORDS (OFF_VM + CT * NGD / 2)
+#define ROWS (2 * G)                // value product rows: part * G + head
+#define RING_WORDS (WARPS * G * D)  // after the values: the warps' ring sums, then the block's sums
+#define RED_WORDS (ROWS * (D + 1) + ROWS * NGD)
+#define UNION_WORDS (STAGE_WORDS > RING_WORDS + RED_WORDS ? STAGE_WORDS : RING_WORDS + RED_WORDS)
+#define NTHR (WARPS * 32)
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) quant_attn_partial(
+// the block copies `total` bytes (a multiple of 16) from src to shared dst, zero-filling from byte `valid` on
+__device__ __forceinline__ void block_copy16(void* dst, const void* src, int total, int valid) {
+    for (int j = threadIdx.x; j < total / 16; j += NTHR) {
+        const int v = min(max(valid - 16 * j, 0), 16);
+        cp_async16(static_cast<char*>(dst) + 16 * j, static_cast<const char*>(src) + (v > 0 ? 16 * j : 0), v);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHR) quant_attn_partial(
         const qtype* __restrict__ q, const long long qsb, const long long qsh,
         const unsigned* __restrict__ kcodes, const long long kcb, const long long kch,
         const __half* __restrict__ kscale, const long long ksb, const long long ksh,
@@ -42,31 +57,52 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) quant_attn_partial(
         const long long* __restrict__ nk_ptr, const long long* __restrict__ p_ptr, const int R,
         float* __restrict__ part, float* __restrict__ pm, float* __restrict__ pl,
         const int Hkv, const int T, const float sm_scale) {
-    __shared__ float sc[G][CT];
-    __shared__ __align__(16) unsigned smem[UNION_WORDS];   // staging, then the warps' sums
-    __shared__ float bred[G][NGD];
+    __shared__ __align__(16) unsigned smem[UNION_WORDS];
+    __shared__ __align__(16) float sc[G][CT];
     __shared__ float wred[WARPS];
+    const int chunk = gridDim.x - 1 - blockIdx.x;          // the last chunk (the ring's) starts first
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long nk = min(*nk_ptr, (long long)T), pos = *p_ptr;
     const long long vq = pos - R > 0 ? pos - R : 0;       // positions before it: quantized values
-    const int t0 = blockIdx.x * CT;
+    const int t0 = chunk * CT;
     const int n_here = (int)max(0LL, min((long long)CT, nk - t0));                 // key positions < nk
     const int nq = (int)max(0LL, min((long long)n_here, vq - t0));                 // of which quantized values
-    float* acc_out = part + ((long long)blockIdx.x * gridDim.y + bh) * G * D;
-    float* m_out = pm + ((long long)blockIdx.x * gridDim.y + bh) * G;
-    float* l_out = pl + ((long long)blockIdx.x * gridDim.y + bh) * G;
+    float* acc_out = part + ((long long)chunk * gridDim.y + bh) * G * D;
+    float* m_out = pm + ((long long)chunk * gridDim.y + bh) * G;
+    float* l_out = pl + ((long long)chunk * gridDim.y + bh) * G;
     if (n_here == 0) {
-        for (int i = threadIdx.x; i < G * D; i += blockDim.x) acc_out[i] = 0.f;
-        for (int i = threadIdx.x; i < G; i += blockDim.x) { m_out[i] = NEG_INF; l_out[i] = 0.f; }
+        for (int i = threadIdx.x; i < G * D; i += NTHR) acc_out[i] = 0.f;
+        for (int i = threadIdx.x; i < G; i += NTHR) { m_out[i] = NEG_INF; l_out[i] = 0.f; }
         return;
     }
-    unsigned (*stage)[STAGES][STAGE_WORDS] = reinterpret_cast<unsigned (*)[STAGES][STAGE_WORDS]>(smem);
+
+    // ---- 0. the chunk's packed keys (group 0) and values (group 1) to shared memory ----
+    const int ngrp = (n_here + 63) / 64, ntile = (nq + 15) / 16;
+    {
+        const unsigned* kc = kcodes + b * kcb + kvh * kch + (long long)(t0 / 64) * KROWS * D;
+        const __half* ks = kscale + b * ksb + kvh * ksh + (long long)(t0 / 64) * D;
+        const __half* km = kmin + b * kmb + kvh * kmh + (long long)(t0 / 64) * D;
+        constexpr int KU = KROWS * D / 4, SU = D / 8;     // 16-byte units of a group's codes / scales
+        for (int u = threadIdx.x; u < ngrp * KU; u += NTHR)
+            cp_async16(smem + (u / KU) * KSTAGE + 4 * (u % KU), kc + (long long)(u / KU) * KROWS * D + 4 * (u % KU), 16);
+        for (int u = threadIdx.x; u < ngrp * SU; u += NTHR) {
+            const int gi = u / SU, j = u % SU;
+            cp_async16(smem + gi * KSTAGE + KROWS * D + 4 * j, ks + (long long)gi * D + 8 * j, 16);
+            cp_async16(smem + gi * KSTAGE + KROWS * D + D / 2 + 4 * j, km + (long long)gi * D + 8 * j, 16);
+        }
+        cp_async_commit();
+        const long long tv = t0;
+        block_copy16(smem + OFF_V, vcodes + b * vcb + kvh * vch + tv * WPT, ntile * 16 * WPT * 4, nq * WPT * 4);
+        block_copy16(smem + OFF_VS, vscale + b * vsb + kvh * vsh + tv * NGD, ntile * 32 * NGD, nq * NGD * 2);
+        block_copy16(smem + OFF_VM, vmin + b * vmb + kvh * vmh + tv * NGD, ntile * 32 * NGD, nq * NGD * 2);
+        cp_async_commit();
+    }
 
     // ---- 1. scores ----
     const qtype* qb = q + b * qsb + (long long)kvh * G * qsh;
     float amax = 0.f;
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) amax = fmaxf(amax, fabsf(to_float(qb[(i / D) * qsh + i % D])));
+    for (int i = threadIdx.x; i < G * D; i += NTHR) amax = fmaxf(amax, fabsf(to_float(qb[(i / D) * qsh + i % D])));
     for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     if (lane == 0) wred[warp] = amax;
     __syncthreads();
@@ -94,30 +130,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) quant_attn_partial(
             a[s][kt][3] = q_part(x1[2], x1[3], e, s);
         }
     }
-    const unsigned* kcbase = kcodes + b * kcb + kvh * kch;
-    const __half* ksbase = kscale + b * ksb + kvh * ksh;
-    const __half* kmbase = kmin + b * kmb + kvh * kmh;
-    const int ngrp = (n_here + 63) / 64;
-    const int kmine = warp < ngrp ? (ngrp - warp + WARPS - 1) / WARPS : 0;
-    auto kissue = [&](int i) {
-        const int grp = t0 / 64 + warp + i * WARPS;
-        unsigned* dst = stage[warp][i % STAGES];
-        const unsigned* src = kcbase + (long long)grp * KROWS * D;
-        for (int j = lane; j < KROWS * D / 4; j += 32) cp_async16(dst + 4 * j, src + 4 * j, 16);
-        for (int j = lane; j < D / 8; j += 32) {
-            cp_async16(dst + KROWS * D + 4 * j, ksbase + (long long)grp * D + 8 * j, 16);
-            cp_async16(dst + KROWS * D + D / 2 + 4 * j, kmbase + (long long)grp * D + 8 * j, 16);
-        }
-    };
-    #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) { if (i < kmine) kissue(i); cp_async_commit(); }
-    for (int i = 0; i < kmine; ++i) {
-        if (i + STAGES - 1 < kmine) kissue(i + STAGES - 1);
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        const int lgrp = warp + i * WARPS;                 // group within the chunk
-        const unsigned* st = stage[warp][i % STAGES];
+    cp_async_wait<1>();
+    __syncthreads();
+    for (int lgrp = warp; lgrp < ngrp; lgrp += WARPS) {
+        const unsigned* st = smem + lgrp * KSTAGE;
         const __half* ss = reinterpret_cast<const __half*>(st + KROWS * D);
         const __half* sm = ss + D;
         float bias[4] = {0.f, 0.f, 0.f, 0.f};
@@ -174,152 +190,228 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) quant_attn_partial(
                 }
             }
         }
-        __syncwarp();
     }
     cp_async_wait<0>();
     __syncthreads();
 
-    // ---- 2. per head: max, exponentials, sum ----
+    // ---- 2. per head: max, sum of exponentials; each score becomes its exponential as fp16 {hi, lo} ----
+    unsigned (*ex)[CT] = reinterpret_cast<unsigned (*)[CT]>(&sc[0][0]);
+    const int n16 = (n_here + 15) & ~15;
     for (int h = warp; h < G; h += WARPS) {
         float mx = NEG_INF;
         for (int i = lane; i < n_here; i += 32) mx = fmaxf(mx, sc[h][i]);
         for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         float sum = 0.f;
-        for (int i = lane; i < n_here; i += 32) {
-            const float ex = expf(sc[h][i] - mx);
-            sc[h][i] = ex;
-            sum += ex;
+        for (int i = lane; i < n16; i += 32) {
+            const float x = i < n_here ? expf(sc[h][i] - mx) : 0.f;
+            const __half hi = __float2half_rn(x), lo = __float2half_rn(x - __half2float(hi));
+            __half2 hl = __halves2half2(hi, lo);
+            ex[h][i] = *reinterpret_cast<unsigned*>(&hl);
+            sum += x;
         }
         for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         if (lane == 0) { m_out[h] = mx; l_out[h] = sum; }
     }
     __syncthreads();
 
-    // ---- 3. values: quantized before vq (tensor cores), the ring's from there on (below) ----
-    const unsigned* vcbase = vcodes + b * vcb + kvh * vch;
-    const __half* vsbase = vscale + b * vsb + kvh * vsh;
-    const __half* vmbase = vmin + b * vmb + kvh * vmh;
-    int part_of[MTV][2], head_of[MTV][2];
+    // ---- 3. values quantized before vq: this lane's tokens of a tile are 4c .. 4c+3 (A's k slots 2c, 2c+1,
+    //      2c+8, 2c+9 and B's the same, a permutation of the 16 tokens that both operands share) ----
+    float vacc[MTV][NTILE][4], macc[MTV][4];
     #pragma unroll
-    for (int mt = 0; mt < MTV; ++mt)
-    #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = mt * 16 + g + 8 * i;
-        part_of[mt][i] = r < 3 * G ? r / G : -1;
-        head_of[mt][i] = r < 3 * G ? r % G : 0;
+    for (int mt = 0; mt < MTV; ++mt) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) macc[mt][j] = 0.f;
+        #pragma unroll
+        for (int nt = 0; nt < NTILE; ++nt) vacc[mt][nt][0] = vacc[mt][nt][1] = vacc[mt][nt][2] = vacc[mt][nt][3] = 0.f;
     }
-    float vacc[MTV][NTILE][4];
+    int arow[MTV][2];                                          // head of A row 16 mt + g (+ 8), -1 past 2G
+    unsigned asel[MTV][2];                                     // its part's halves of two {hi, lo} words
     #pragma unroll
     for (int mt = 0; mt < MTV; ++mt)
     #pragma unroll
-    for (int nt = 0; nt < NTILE; ++nt) vacc[mt][nt][0] = vacc[mt][nt][1] = vacc[mt][nt][2] = vacc[mt][nt][3] = 0.f;
-    float bacc[MTV][2][NGD];
-    #pragma unroll
-    for (int mt = 0; mt < MTV; ++mt)
-    #pragma unroll
-    for (int gd = 0; gd < NGD; ++gd) bacc[mt][0][gd] = bacc[mt][1][gd] = 0.f;
-    const int ntile = (nq + 15) / 16;
-    const int vmine = warp < ntile ? (ntile - warp + WARPS - 1) / WARPS : 0;
-    auto vissue = [&](int i) {
-        const int tl = (warp + i * WARPS) * 16, nval = min(16, nq - tl);
-        const long long tg = (long long)t0 + tl;
-        unsigned* dst = stage[warp][i % STAGES];
-        stage_copy<16>(dst, vcbase + tg * WPT, 64 * WPT, nval * WPT * 4, lane);
-        stage_copy<16>(dst + VOFF_S, vsbase + tg * NGD, 32 * NGD, nval * NGD * 2, lane);
-        stage_copy<16>(dst + VOFF_M, vmbase + tg * NGD, 32 * NGD, nval * NGD * 2, lane);
-    };
-    #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) { if (i < vmine) vissue(i); cp_async_commit(); }
-    for (int i = 0; i < vmine; ++i) {
-        if (i + STAGES - 1 < vmine) vissue(i + STAGES - 1);
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        const int tl = (warp + i * WARPS) * 16;
-        const unsigned* st = stage[warp][i % STAGES];
-        const __half* ss = reinterpret_cast<const __half*>(st + VOFF_S);
-        const __half* sm = reinterpret_cast<const __half*>(st + VOFF_M);
-        float pr[MTV][2][4];
+    for (int ri = 0; ri < 2; ++ri) {
+        const int r = 16 * mt + g + 8 * ri;
+        arow[mt][ri] = r < ROWS ? r % G : -1;
+        asel[mt][ri] = r < G ? 0x5410u : 0x7632u;
+    }
+    const unsigned* vst = smem + OFF_V;
+    const __half* vss = reinterpret_cast<const __half*>(smem + OFF_VS);
+    const __half* vsm = reinterpret_cast<const __half*>(smem + OFF_VM);
+    for (int tile = warp; tile < ntile; tile += WARPS) {
+        const int tk = 16 * tile + 4 * c;                      // this lane's first token
+        unsigned af[MTV][4];
         #pragma unroll
         for (int mt = 0; mt < MTV; ++mt)
         #pragma unroll
-        for (int ri = 0; ri < 2; ++ri)
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int tk = tl + 4 * c + j;
-            pr[mt][ri][j] = part_of[mt][ri] >= 0 && tk < nq ? sc[head_of[mt][ri]][tk] : 0.f;
+        for (int ri = 0; ri < 2; ++ri) {
+            if (arow[mt][ri] >= 0) {
+                const uint4 x = *reinterpret_cast<const uint4*>(&ex[arow[mt][ri]][tk]);
+                af[mt][ri] = prmt(x.x, x.y, asel[mt][ri]);
+                af[mt][2 + ri] = prmt(x.z, x.w, asel[mt][ri]);
+            } else {
+                af[mt][ri] = af[mt][2 + ri] = 0u;
+            }
         }
-        value_tile_mma<BITS, D, MTV>(vacc, bacc, pr, part_of, st, ss, sm, g, c);
-        __syncwarp();
+        unsigned sp[NGD][2], mp[NGD][2];                       // {scale, scale} of tokens (4c, 4c+1), (4c+2, 4c+3)
+        if (NGD == 1) {
+            const uint2 s2 = *reinterpret_cast<const uint2*>(vss + tk), m2 = *reinterpret_cast<const uint2*>(vsm + tk);
+            sp[0][0] = s2.x; sp[0][1] = s2.y; mp[0][0] = m2.x; mp[0][1] = m2.y;
+        } else {
+            #pragma unroll
+            for (int gd = 0; gd < NGD; gd += 2) {              // a word holds groups gd, gd + 1 of one token
+                unsigned s4[4], m4[4];
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    s4[j] = *reinterpret_cast<const unsigned*>(vss + (tk + j) * NGD + gd);
+                    m4[j] = *reinterpret_cast<const unsigned*>(vsm + (tk + j) * NGD + gd);
+                }
+                sp[gd][0] = prmt(s4[0], s4[1], 0x5410u); sp[gd + 1][0] = prmt(s4[0], s4[1], 0x7632u);
+                sp[gd][1] = prmt(s4[2], s4[3], 0x5410u); sp[gd + 1][1] = prmt(s4[2], s4[3], 0x7632u);
+                mp[gd][0] = prmt(m4[0], m4[1], 0x5410u); mp[gd + 1][0] = prmt(m4[0], m4[1], 0x7632u);
+                mp[gd][1] = prmt(m4[2], m4[3], 0x5410u); mp[gd + 1][1] = prmt(m4[2], m4[3], 0x7632u);
+            }
+        }
+        {   // the min term: column n = g < NGD of B holds group g's mins
+            unsigned b0 = 0u, b1 = 0u;
+            #pragma unroll
+            for (int gd = 0; gd < NGD; ++gd)
+                if (g == gd) { b0 = mp[gd][0]; b1 = mp[gd][1]; }
+            #pragma unroll
+            for (int mt = 0; mt < MTV; ++mt) mma_f16(macc[mt], af[mt], b0, b1);
+        }
+        #pragma unroll
+        for (int k = 0; k < WPT; ++k) {
+            unsigned w[4];
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) w[j] = vst[(tk + j) * WPT + k];
+            #pragma unroll
+            for (int pb = 0; pb < BITS; ++pb) {
+                // channel 8 t + g of the word's tile t: its bit pb lands on the sign bit of byte t * BITS
+                const unsigned rot = (unsigned)(7 - BITS * g - pb) & 31u;
+                const unsigned w0 = rotl(w[0], rot), w1 = rotl(w[1], rot), w2 = rotl(w[2], rot), w3 = rotl(w[3], rot);
+                #pragma unroll
+                for (int t = 0; t < TPW; ++t) {
+                    const int nt = k * TPW + t, gd = nt * 8 / VG;
+                    const unsigned bi = t * BITS;
+                    const unsigned sel = (8u | bi) | ((8u | bi) << 4) | ((12u | bi) << 8) | ((12u | bi) << 12);
+                    unsigned s0 = sp[gd][0], s1 = sp[gd][1];
+                    if (pb == 1) {                             // bit 1 of a 2-bit code weighs 2 * scale (exact)
+                        __half2 h0 = __hadd2(*reinterpret_cast<__half2*>(&s0), *reinterpret_cast<__half2*>(&s0));
+                        __half2 h1 = __hadd2(*reinterpret_cast<__half2*>(&s1), *reinterpret_cast<__half2*>(&s1));
+                        s0 = *reinterpret_cast<unsigned*>(&h0);
+                        s1 = *reinterpret_cast<unsigned*>(&h1);
+                    }
+                    const unsigned b0 = prmt(w0, w1, sel) & s0, b1 = prmt(w2, w3, sel) & s1;
+                    #pragma unroll
+                    for (int mt = 0; mt < MTV; ++mt) mma_f16(vacc[mt][nt], af[mt], b0, b1);
+                }
+            }
+        }
     }
-    cp_async_wait<0>();
-    __syncthreads();   // the staging memory becomes the warps' sums
+    __syncthreads();   // the staging memory becomes the ring's and the warps' sums
+
+    // ---- the ring's exact values for positions vq .. nk of this chunk: warps split tokens, lanes channels ----
+    float* rsum = reinterpret_cast<float*>(smem);            // [WARPS][G][D]
+    const bool has_ring = nq < n_here;
+    if (has_ring) {
+        constexpr int CPL = D / 32;
+        float racc[G][CPL];
+        #pragma unroll
+        for (int h = 0; h < G; ++h)
+        #pragma unroll
+        for (int j = 0; j < CPL; ++j) racc[h][j] = 0.f;
+        const vtype* rbase = ring + b * rsb + kvh * rsh;
+        for (int tk = nq + warp; tk < n_here; tk += WARPS) {
+            const vtype* row = rbase + (long long)((t0 + tk) % (R + 1)) * D + CPL * lane;
+            float v[CPL];
+            #pragma unroll
+            for (int j = 0; j < CPL; ++j) v[j] = to_float(row[j]);
+            #pragma unroll
+            for (int h = 0; h < G; ++h) {
+                const __half2 hl = *reinterpret_cast<const __half2*>(&ex[h][tk]);
+                const float pw = __low2float(hl) + __high2float(hl);
+                #pragma unroll
+                for (int j = 0; j < CPL; ++j) racc[h][j] += pw * v[j];
+            }
+        }
+        #pragma unroll
+        for (int h = 0; h < G; ++h)
+        #pragma unroll
+        for (int j = 0; j < CPL; ++j) rsum[(warp * G + h) * D + CPL * lane + j] = racc[h][j];
+    }
 
     // ---- 4. the block's sum in a fixed order: warp 0 stores, the others add one after another ----
-    float (*red)[D + 1] = reinterpret_cast<float (*)[D + 1]>(smem);
-    #pragma unroll
-    for (int mt = 0; mt < MTV; ++mt)
-    #pragma unroll
-    for (int ri = 0; ri < 2; ++ri)
-    #pragma unroll
-    for (int gd = 0; gd < NGD; ++gd) {
-        bacc[mt][ri][gd] += __shfl_xor_sync(0xffffffffu, bacc[mt][ri][gd], 1);
-        bacc[mt][ri][gd] += __shfl_xor_sync(0xffffffffu, bacc[mt][ri][gd], 2);
-    }
+    float (*red)[D + 1] = reinterpret_cast<float (*)[D + 1]>(smem + RING_WORDS);
+    float (*redm)[NGD] = reinterpret_cast<float (*)[NGD]>(smem + RING_WORDS + ROWS * (D + 1));
     for (int wv = 0; wv < WARPS; ++wv) {
         if (warp == wv) {
             #pragma unroll
             for (int mt = 0; mt < MTV; ++mt)
             #pragma unroll
-            for (int nt = 0; nt < NTILE; ++nt)
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                float& r = red[mt * 16 + g + 8 * (j >> 1)][8 * nt + 2 * c + (j & 1)];
-                r = wv ? r + vacc[mt][nt][j] : vacc[mt][nt][j];
-            }
-            #pragma unroll
-            for (int mt = 0; mt < MTV; ++mt)
-            #pragma unroll
-            for (int ri = 0; ri < 2; ++ri)
-                if (c == 0 && part_of[mt][ri] == 0)
+            for (int ri = 0; ri < 2; ++ri) {
+                const int r = 16 * mt + g + 8 * ri;
+                if (r < ROWS) {
                     #pragma unroll
-                    for (int gd = 0; gd < NGD; ++gd) {
-                        float& r = bred[head_of[mt][ri]][gd];
-                        r = wv ? r + bacc[mt][ri][gd] : bacc[mt][ri][gd];
+                    for (int nt = 0; nt < NTILE; ++nt)
+                    #pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        float& x = red[r][8 * nt + 2 * c + j];
+                        x = wv ? x + vacc[mt][nt][2 * ri + j] : vacc[mt][nt][2 * ri + j];
                     }
+                    #pragma unroll
+                    for (int j = 0; j < 2; ++j)
+                        if (2 * c + j < NGD) {
+                            float& x = redm[r][2 * c + j];
+                            x = wv ? x + macc[mt][2 * ri + j] : macc[mt][2 * ri + j];
+                        }
+                }
+            }
         }
         __syncthreads();
     }
-    const vtype* rbase = ring + b * rsb + kvh * rsh;
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    for (int i = threadIdx.x; i < G * D; i += NTHR) {
         const int h = i / D, d = i % D;
-        float ring_sum = 0.f;                                  // positions vq .. nk of this chunk: exact values
-        for (int tk = nq; tk < n_here; ++tk)
-            ring_sum += sc[h][tk] * to_float(rbase[(long long)((t0 + tk) % (R + 1)) * D + d]);
-        acc_out[i] = (red[h][d] + red[G + h][d]) + red[2 * G + h][d] + bred[h][d / VG] + ring_sum;
+        float ring_sum = 0.f;
+        if (has_ring)
+            for (int w = 0; w < WARPS; ++w) ring_sum += rsum[(w * G + h) * D + d];
+        acc_out[i] = ((red[h][d] + red[G + h][d]) + (redm[h][d / VG] + redm[G + h][d / VG])) + ring_sum;
     }
 }
 
-// per (batch row, query head): the chunks merged in order -> o [B*Hq, D], lse [B*Hq]
-extern "C" __global__ void quant_attn_reduce(const float* __restrict__ part, const float* __restrict__ pm,
-                                             const float* __restrict__ pl, float* __restrict__ out,
-                                             float* __restrict__ lse, const int chunks, const int Hkv) {
-    const int bq = blockIdx.x, d = threadIdx.x;
+// per (batch row and query head, 32 channels): the chunks merged in order -> o [B*Hq, D], lse [B*Hq]
+#define RWARPS 8
+extern "C" __global__ void __launch_bounds__(RWARPS * 32) quant_attn_reduce(
+        const float* __restrict__ part, const float* __restrict__ pm, const float* __restrict__ pl,
+        float* __restrict__ out, float* __restrict__ lse, const int chunks, const int Hkv) {
+    __shared__ float sm_m[RWARPS], sm_l[RWARPS], sm_o[RWARPS][32];
+    const int bq = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, d = 32 * blockIdx.y + lane;
     const int b = bq / (Hkv * G), hq = bq % (Hkv * G);
     const long long bh = (long long)b * Hkv + hq / G, h = hq % G;
     const long long nbh = (long long)gridDim.x / G;            // B * Hkv
     float M = NEG_INF;
-    for (int k = 0; k < chunks; ++k) M = fmaxf(M, pm[(k * nbh + bh) * G + h]);
+    for (int k = threadIdx.x; k < chunks; k += RWARPS * 32) M = fmaxf(M, pm[(k * nbh + bh) * G + h]);
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    if (lane == 0) sm_m[warp] = M;
+    __syncthreads();
+    for (int w = 0; w < RWARPS; ++w) M = fmaxf(M, sm_m[w]);
     float L = 0.f, o = 0.f;
-    if (M != NEG_INF)
-        for (int k = 0; k < chunks; ++k) {
+    if (M != NEG_INF) {
+        #pragma unroll 4
+        for (int k = warp; k < chunks; k += RWARPS) {
             const long long i = (k * nbh + bh) * G + h;
             const float m = pm[i];
-            if (m == NEG_INF) continue;
-            const float w = expf(m - M);
+            const float w = m == NEG_INF ? 0.f : expf(m - M);
             L += w * pl[i];
-            o += w * part[i * D + d];
+            o += w * (d < D ? part[i * D + d] : 0.f);
         }
-    out[(long long)bq * D + d] = L > 0.f ? o / L : 0.f;
-    if (d == 0) lse[bq] = L > 0.f ? M + logf(L) : NEG_INF;
+    }
+    if (lane == 0) sm_l[warp] = L;
+    sm_o[warp][lane] = o;
+    __syncthreads();
+    if (warp == 0) {
+        float Ls = 0.f, os = 0.f;
+        for (int w = 0; w < RWARPS; ++w) { Ls += sm_l[w]; os += sm_o[w][lane]; }
+        if (d < D) out[(long long)bq * D + d] = Ls > 0.f ? os / Ls : 0.f;
+        if (blockIdx.y == 0 && lane == 0) lse[bq] = Ls > 0.f ? M + logf(Ls) : NEG_INF;
+    }
 }

@@ -10,38 +10,37 @@ import torch
 from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr, rows_contiguous
 from tailorkv.ops.quant_common_cuda import C_TYPES, HELPERS
 
-WARPS, STAGES, GROUP = 4, 3, 64
+WARPS, GROUP = 4, 64
 SMEM_LIMIT = 48 * 1024
 CU_FILE = os.path.join(os.path.dirname(__file__), "quant_decode.cu")
 
 
-def chunk_tokens(G: int) -> int:
-    """Tokens per block: the chunk's fp32 scores of G heads take at most 16 KiB of shared memory."""
-    return 1024 if G <= 4 else 512 if G <= 8 else 256
-
-
 def _mtv(G: int) -> int:
-    """MMA row tiles of the value product: rows part * G + head for 3 parts."""
-    return -(-3 * G // 16)
+    """MMA row tiles of the value product: rows part * G + head for the exponentials' two fp16 parts."""
+    return -(-2 * G // 16)
+
+
+def shared_bytes(bits: int, d: int, g: int, ct: int) -> int:
+    """Static shared memory of the partial kernel (the CUDA source's layout, computed here to pick the chunk and
+    to refuse what does not fit before compiling)."""
+    cpw = 32 // bits
+    ngd = d // min(64, d)
+    stage = (ct // 64) * ((64 // cpw) * d + d) + ct * (d // cpw) + ct * ngd
+    after = WARPS * g * d + 2 * g * (d + 1) + 2 * g * ngd
+    return 4 * (max(stage, after) + g * ct + WARPS)
+
+
+def chunk_tokens(bits: int, d: int, g: int) -> int:
+    """Tokens per block: the most (512 at most) whose keys, values and scores fit the shared memory."""
+    return next((ct for ct in (512, 256, 128, 64) if shared_bytes(bits, d, g, ct) <= SMEM_LIMIT), 0)
 
 
 def source(bits: int, d: int, g: int, s: int, qdtype: torch.dtype, vdtype: torch.dtype) -> str:
-    defines = dict(BITS=bits, D=d, G=g, CT=chunk_tokens(g), S=s, MTV=_mtv(g), WARPS=WARPS, STAGES=STAGES)
+    defines = dict(BITS=bits, D=d, G=g, CT=chunk_tokens(bits, d, g), S=s, MTV=_mtv(g), WARPS=WARPS)
     with open(CU_FILE) as f:
         body = f.read()
     return (HELPERS + "".join(f"#define {k} {v}\n" for k, v in defines.items())
             + f"typedef {C_TYPES[str(qdtype)]} qtype;\ntypedef {C_TYPES[str(vdtype)]} vtype;\n" + body)
-
-
-def shared_bytes(bits: int, d: int, g: int) -> int:
-    """Static shared memory of the partial kernel (the CUDA source's layout, computed here to refuse what does
-    not fit before compiling)."""
-    cpw = 32 // bits
-    kstage = (64 // cpw) * d + d
-    vstage = 16 * (d // cpw) + 16 * (d // min(64, d))
-    stage = WARPS * STAGES * max(kstage, vstage)
-    red = 16 * _mtv(g) * (d + 1)
-    return 4 * (g * chunk_tokens(g) + max(stage, red) + g * (d // min(64, d)) + WARPS)
 
 
 def _supported(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, p, bits, group, vgroup) -> bool:
@@ -53,7 +52,7 @@ def _supported(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, 
     dev = q.device
     packed = (k_codes, k_scale, k_min, v_codes, v_scale, v_min)
     return (str(q.dtype) in C_TYPES and str(v_ring.dtype) in C_TYPES and vgroup == min(64, D) and G <= 16
-            and _mtv(G) <= (3 if D == 64 else 2) and shared_bytes(bits, D, G) <= SMEM_LIMIT
+            and _mtv(G) <= (1 if D == 128 else 2) and chunk_tokens(bits, D, G) > 0
             and q.stride(-1) == 1 and k_codes.dtype == torch.int32 and v_codes.dtype == torch.int32
             and all(t.dtype == torch.float16 for t in (k_scale, k_min, v_scale, v_min))
             and k_codes.shape[:2] == (B, Hkv) and k_codes.shape[3] == D
@@ -78,7 +77,7 @@ def load(reference):
     def quant_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, p, bits: int = 1,
                                group: int = 64, vgroup: int = 64, sm_scale: float = 1.0):
         """Kernel for bits 1/2, key group 64 (a bucket of whole groups), value group min(64, head_dim),
-        head_dim 64/128, up to 16 query heads per KV head (10 at head_dim 128), q fp16/bf16/fp32, packed rows
+        head_dim 64/128, up to 16 query heads per KV head (8 at head_dim 128), q fp16/bf16/fp32, packed rows
         contiguous with 16-byte aligned heads, a ring of rows contiguous; else the torch reference."""
         if not _supported(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, p, bits, group, vgroup):
             return reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, p, bits, group,
@@ -96,7 +95,7 @@ def load(reference):
             mod = compile_module(source(*key))
             kernels[key] = (mod.get_function("quant_attn_partial"), mod.get_function("quant_attn_reduce"))
         partial, reduce = kernels[key]
-        chunks = max(1, -(-T // chunk_tokens(G)))
+        chunks = max(1, -(-T // chunk_tokens(bits, D, G)))
         part = torch.empty(chunks, B * Hkv, G, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(chunks, B * Hkv, G, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
@@ -106,7 +105,7 @@ def load(reference):
                 ptr(v_codes), *st(v_codes), ptr(v_scale), *st(v_scale), ptr(v_min), *st(v_min),
                 ptr(v_ring), *st(v_ring), ptr(nk), ptr(p), np.int32(v_ring.shape[2] - 1),
                 ptr(part), ptr(pm), ptr(pl), np.int32(Hkv), np.int32(T), np.float32(sm_scale)), q.device)
-        launch(reduce, (B * Hq,), (D,), (ptr(part), ptr(pm), ptr(pl), ptr(out), ptr(lse), np.int32(chunks),
+        launch(reduce, (B * Hq, D // 32), (256,), (ptr(part), ptr(pm), ptr(pl), ptr(out), ptr(lse), np.int32(chunks),
                                          np.int32(Hkv)), q.device)
         return out, lse
 

@@ -206,7 +206,8 @@ KERNEL_DECODE_CASES = [  # (bits, B, Hq, Hkv, T, D, R, nk, p, q dtype, ring dtyp
     (1, 2, 9, 3, 1280, 64, 128, 1024, 1100, torch.float16, torch.float16),
     (2, 1, 64, 8, 2048, 128, 128, 1920, 2000, torch.float32, torch.float32),      # G = 8, fp32 q
     (1, 1, 32, 32, 1024, 128, 128, 896, 1000, torch.bfloat16, torch.bfloat16),    # G = 1
-    (1, 1, 40, 4, 1024, 128, 128, 1024, 1150, torch.bfloat16, torch.bfloat16),    # G = 10
+    (1, 1, 40, 4, 1024, 64, 128, 1024, 1150, torch.bfloat16, torch.bfloat16),     # G = 10 (two row tiles)
+    (2, 1, 64, 4, 640, 64, 64, 576, 600, torch.float16, torch.bfloat16),          # G = 16, ring crosses chunks
     (1, 1, 32, 8, 512, 128, 128, 0, 60, torch.bfloat16, torch.bfloat16),          # nothing quantized yet
     (1, 1, 32, 8, 131072, 128, 128, 130944, 131050, torch.bfloat16, torch.bfloat16),
 ]
