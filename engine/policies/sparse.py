@@ -73,10 +73,10 @@ class SparseOffloadCache(LayerCache):
         dev = dict(dtype=spec.dtype, device=spec.device)
         self.dev_k = torch.zeros(B, H, self.sink + self.cap, D, **dev)
         self.dev_v = torch.zeros_like(self.dev_k)
-        # max |K| per KV head and channel, twice: a decode step at position p reads entry p % 2 (the tokens before
-        # p) and writes entry (p + 1) % 2, so running the step again (a CUDA graph's warm-ups) reads what it read
+        # max |K| per KV head and channel over the held tokens (entry 0); a decode step writes its update to
+        # entry 1 and its commit (outside any CUDA graph) copies it to entry 0, so running the step again (a
+        # graph's warm-ups) reads what it read
         self.kmax = torch.zeros(2, B, H, D, dtype=torch.float32, device=spec.device)
-        self._kmax_index = None
         self.tail_start_dev = torch.zeros((), dtype=torch.long, device=spec.device)
         self.reset()
 
@@ -86,7 +86,6 @@ class SparseOffloadCache(LayerCache):
         self.held = 0
         self._set_tail_start(self.sink)  # always >= sink; the middle is [sink, tail_start)
         self.kmax.zero_()
-        self._kmax_index = None
         if self.sketch is not None:
             self.sketch.reset()
         self.q_hat = None
@@ -142,11 +141,8 @@ class SparseOffloadCache(LayerCache):
             self.prefetched = True
 
     def kmax_before(self) -> torch.Tensor:
-        """max |K| [B, Hkv, D] over the tokens held before this step (a decode step's entry, by its position's
-        parity on the device; after a multi-token step both entries agree)."""
-        if self._kmax_index is None:
-            return self.kmax[self.held % 2]
-        return self.kmax.index_select(0, self._kmax_index % 2)[0]
+        """max |K| [B, Hkv, D] over the tokens held before this step."""
+        return self.kmax[0]
 
     def device_bytes(self) -> int:
         sketch = self.sketch.device_bytes() if self.sketch is not None else 0
@@ -166,14 +162,12 @@ class SparseOffloadCache(LayerCache):
     def plan(self, step):
         mid = self.tail_start - self.sink
         row = self._row_bytes()
-        self._kmax_index = None
         if not step.decode:
             self.middle_bucket, self.middle_whole = 0, False
             self.last = {"tokens_fetched": mid, "bytes_fetched": 2 * mid * row, "middle_tokens": mid,
                          "tokens_attended": self.held + step.n}
             return None
         self.middle_whole = 0 < mid <= self.topk
-        self._kmax_index = step.positions
         most = self.spec.max_len - self.sink if self.sketch is None else self.sketch.capacity
         self.middle_bucket = min(fine_bucket(mid), most) if mid > self.topk else 0
         self._plan_buffers()
@@ -215,8 +209,8 @@ class SparseOffloadCache(LayerCache):
         return out
 
     def commit(self, step) -> None:
-        self._kmax_index = None  # from here kmax_before() covers every held token
         if step.decode:
+            self.kmax[0].copy_(self.kmax[1])
             self.held += 1
             if self._tail_len() >= self.cap:
                 self._flush((self._tail_len() - self.recent) // self.align * self.align)
@@ -234,7 +228,7 @@ class SparseOffloadCache(LayerCache):
         slot = torch.where(p < S, p, S + p - self.tail_start_dev)
         self.dev_k.index_copy_(2, slot, k)
         self.dev_v.index_copy_(2, slot, v)
-        self.kmax.index_copy_(0, (p + 1) % 2, torch.maximum(self.kmax_before(), k.abs().amax(2).float())[None])
+        torch.maximum(self.kmax[0], k.abs().amax(2).float(), out=self.kmax[1])
         pos = None
         if self.middle_whole or self.middle_bucket:
             if self.middle_bucket and not prefetched:  # no prediction came: fetch from the current query
@@ -252,9 +246,8 @@ class SparseOffloadCache(LayerCache):
         """Append a multi-token step's tokens at positions held..: the sink first, then the tail; all but
         the tail's newest `recent` tokens go to the host store."""
         start, end, S = self.held, self.held + k.shape[2], self.sink
-        self.kmax[(start + 1) % 2] = self.kmax[start % 2]  # both entries: what the last decode step wrote
         for s in range(0, k.shape[2], STORE_CHUNK):  # |K| of a long prompt in chunks: no [T] sized temporary
-            torch.maximum(self.kmax, k[:, :, s:s + STORE_CHUNK].abs().amax(2).float(), out=self.kmax)
+            torch.maximum(self.kmax[0], k[:, :, s:s + STORE_CHUNK].abs().amax(2).float(), out=self.kmax[0])
         ns = max(0, min(S, end) - start)
         if ns:
             self.dev_k[:, :, start:start + ns] = k[:, :, :ns]
