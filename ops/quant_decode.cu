@@ -12,7 +12,7 @@
 //   3. the values on the tensor cores for positions before p - R: A rows part * G + head = the exponentials'
 //      parts, B = code bit ? scale : 0 (bit 1 of a 2-bit code: 2 * scale), and one more product with B = the
 //      tokens' mins; positions from p - R on take their exact values from the ring (slot = position % (R + 1));
-//   4. the block's sum [G, D] (warps added in a fixed order), m and l.
+//   4. the block's sum [G, D] (each warp owns NTILE / WARPS 8-channel tiles of the value product), m and l.
 // quant_attn_reduce: per (batch row, query head, 32 channels), the chunks merged in order: o = sum w_c acc_c /
 // sum w_c l_c with w_c = exp(m_c - max m), lse = max m + log(sum w_c l_c). Deterministic, no atomics.
 #define CPW (32 / BITS)
@@ -214,15 +214,21 @@ extern "C" __global__ void __launch_bounds__(NTHR) quant_attn_partial(
     }
     __syncthreads();
 
-    // ---- 3. values quantized before vq: this lane's tokens of a tile are 4c .. 4c+3 (A's k slots 2c, 2c+1,
-    //      2c+8, 2c+9 and B's the same, a permutation of the 16 tokens that both operands share) ----
-    float vacc[MTV][NTILE][4], macc[MTV][4];
+    // ---- 3. values quantized before vq, each warp its NPW 8-channel tiles over every 16-token tile: this lane's
+    //      tokens of a tile are 4c .. 4c+3 (A's k slots 2c, 2c+1, 2c+8, 2c+9 and B's the same, a permutation of
+    //      the 16 tokens that both operands share) ----
+    constexpr int NPW = NTILE / WARPS;                         // 8-channel tiles per warp
+    constexpr int TPK = NPW < TPW ? NPW : TPW, KPW = NPW / TPK;   // per code word, words per warp
+    const int nt0 = warp * NPW, k0 = nt0 / TPW, tw0 = nt0 % TPW;
+    const int gdw = nt0 * 8 / VG;                              // the warp's value scale group
+    const bool min_warp = (nt0 * 8) % VG == 0;                 // the group's first warp adds the min term
+    float vacc[MTV][NPW][4], macc[MTV][4];
     #pragma unroll
     for (int mt = 0; mt < MTV; ++mt) {
         #pragma unroll
         for (int j = 0; j < 4; ++j) macc[mt][j] = 0.f;
         #pragma unroll
-        for (int nt = 0; nt < NTILE; ++nt) vacc[mt][nt][0] = vacc[mt][nt][1] = vacc[mt][nt][2] = vacc[mt][nt][3] = 0.f;
+        for (int i = 0; i < NPW; ++i) vacc[mt][i][0] = vacc[mt][i][1] = vacc[mt][i][2] = vacc[mt][i][3] = 0.f;
     }
     int arow[MTV][2];                                          // head of A row 16 mt + g (+ 8), -1 past 2G
     unsigned asel[MTV][2];                                     // its part's halves of two {hi, lo} words
@@ -234,10 +240,14 @@ extern "C" __global__ void __launch_bounds__(NTHR) quant_attn_partial(
         arow[mt][ri] = r < ROWS ? r % G : -1;
         asel[mt][ri] = r < G ? 0x5410u : 0x7632u;
     }
+    unsigned rot[BITS];
+    #pragma unroll
+    for (int pb = 0; pb < BITS; ++pb) rot[pb] = (unsigned)(7 - BITS * g - pb) & 31u;
+    const unsigned gsel = gdw & 1 ? 0x7632u : 0x5410u;
     const unsigned* vst = smem + OFF_V;
     const __half* vss = reinterpret_cast<const __half*>(smem + OFF_VS);
     const __half* vsm = reinterpret_cast<const __half*>(smem + OFF_VM);
-    for (int tile = warp; tile < ntile; tile += WARPS) {
+    for (int tile = 0; tile < ntile; ++tile) {
         const int tk = 16 * tile + 4 * c;                      // this lane's first token
         unsigned af[MTV][4];
         #pragma unroll
@@ -252,58 +262,51 @@ extern "C" __global__ void __launch_bounds__(NTHR) quant_attn_partial(
                 af[mt][ri] = af[mt][2 + ri] = 0u;
             }
         }
-        unsigned sp[NGD][2], mp[NGD][2];                       // {scale, scale} of tokens (4c, 4c+1), (4c+2, 4c+3)
+        unsigned sp[2], mp[2];                                 // {scale, scale} of tokens (4c, 4c+1), (4c+2, 4c+3)
         if (NGD == 1) {
-            const uint2 s2 = *reinterpret_cast<const uint2*>(vss + tk), m2 = *reinterpret_cast<const uint2*>(vsm + tk);
-            sp[0][0] = s2.x; sp[0][1] = s2.y; mp[0][0] = m2.x; mp[0][1] = m2.y;
-        } else {
-            #pragma unroll
-            for (int gd = 0; gd < NGD; gd += 2) {              // a word holds groups gd, gd + 1 of one token
-                unsigned s4[4], m4[4];
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    s4[j] = *reinterpret_cast<const unsigned*>(vss + (tk + j) * NGD + gd);
-                    m4[j] = *reinterpret_cast<const unsigned*>(vsm + (tk + j) * NGD + gd);
-                }
-                sp[gd][0] = prmt(s4[0], s4[1], 0x5410u); sp[gd + 1][0] = prmt(s4[0], s4[1], 0x7632u);
-                sp[gd][1] = prmt(s4[2], s4[3], 0x5410u); sp[gd + 1][1] = prmt(s4[2], s4[3], 0x7632u);
-                mp[gd][0] = prmt(m4[0], m4[1], 0x5410u); mp[gd + 1][0] = prmt(m4[0], m4[1], 0x7632u);
-                mp[gd][1] = prmt(m4[2], m4[3], 0x5410u); mp[gd + 1][1] = prmt(m4[2], m4[3], 0x7632u);
+            const uint2 s2 = *reinterpret_cast<const uint2*>(vss + tk);
+            sp[0] = s2.x; sp[1] = s2.y;
+            if (min_warp) { const uint2 m2 = *reinterpret_cast<const uint2*>(vsm + tk); mp[0] = m2.x; mp[1] = m2.y; }
+        } else {                                               // a word holds groups 0, 1 of one token
+            const uint4 s4 = *reinterpret_cast<const uint4*>(vss + tk * NGD);
+            sp[0] = prmt(s4.x, s4.y, gsel); sp[1] = prmt(s4.z, s4.w, gsel);
+            if (min_warp) {
+                const uint4 m4 = *reinterpret_cast<const uint4*>(vsm + tk * NGD);
+                mp[0] = prmt(m4.x, m4.y, gsel); mp[1] = prmt(m4.z, m4.w, gsel);
             }
         }
-        {   // the min term: column n = g < NGD of B holds group g's mins
-            unsigned b0 = 0u, b1 = 0u;
-            #pragma unroll
-            for (int gd = 0; gd < NGD; ++gd)
-                if (g == gd) { b0 = mp[gd][0]; b1 = mp[gd][1]; }
+        if (min_warp) {                                        // B's column 0: the tokens' mins
+            const unsigned b0 = g == 0 ? mp[0] : 0u, b1 = g == 0 ? mp[1] : 0u;
             #pragma unroll
             for (int mt = 0; mt < MTV; ++mt) mma_f16(macc[mt], af[mt], b0, b1);
         }
+        unsigned s2x[2] = {sp[0], sp[1]};                      // bit 1 of a 2-bit code weighs 2 * scale (exact)
+        if (BITS == 2) {
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                __half2 h = *reinterpret_cast<__half2*>(&s2x[j]);
+                h = __hadd2(h, h);
+                s2x[j] = *reinterpret_cast<unsigned*>(&h);
+            }
+        }
         #pragma unroll
-        for (int k = 0; k < WPT; ++k) {
+        for (int kk = 0; kk < KPW; ++kk) {
             unsigned w[4];
             #pragma unroll
-            for (int j = 0; j < 4; ++j) w[j] = vst[(tk + j) * WPT + k];
+            for (int j = 0; j < 4; ++j) w[j] = vst[(tk + j) * WPT + k0 + kk];
             #pragma unroll
             for (int pb = 0; pb < BITS; ++pb) {
                 // channel 8 t + g of the word's tile t: its bit pb lands on the sign bit of byte t * BITS
-                const unsigned rot = (unsigned)(7 - BITS * g - pb) & 31u;
-                const unsigned w0 = rotl(w[0], rot), w1 = rotl(w[1], rot), w2 = rotl(w[2], rot), w3 = rotl(w[3], rot);
+                const unsigned w0 = rotl(w[0], rot[pb]), w1 = rotl(w[1], rot[pb]);
+                const unsigned w2 = rotl(w[2], rot[pb]), w3 = rotl(w[3], rot[pb]);
+                const unsigned s0 = pb ? s2x[0] : sp[0], s1 = pb ? s2x[1] : sp[1];
                 #pragma unroll
-                for (int t = 0; t < TPW; ++t) {
-                    const int nt = k * TPW + t, gd = nt * 8 / VG;
-                    const unsigned bi = t * BITS;
+                for (int tt = 0; tt < TPK; ++tt) {
+                    const unsigned bi = (tw0 + tt) * BITS;
                     const unsigned sel = (8u | bi) | ((8u | bi) << 4) | ((12u | bi) << 8) | ((12u | bi) << 12);
-                    unsigned s0 = sp[gd][0], s1 = sp[gd][1];
-                    if (pb == 1) {                             // bit 1 of a 2-bit code weighs 2 * scale (exact)
-                        __half2 h0 = __hadd2(*reinterpret_cast<__half2*>(&s0), *reinterpret_cast<__half2*>(&s0));
-                        __half2 h1 = __hadd2(*reinterpret_cast<__half2*>(&s1), *reinterpret_cast<__half2*>(&s1));
-                        s0 = *reinterpret_cast<unsigned*>(&h0);
-                        s1 = *reinterpret_cast<unsigned*>(&h1);
-                    }
                     const unsigned b0 = prmt(w0, w1, sel) & s0, b1 = prmt(w2, w3, sel) & s1;
                     #pragma unroll
-                    for (int mt = 0; mt < MTV; ++mt) mma_f16(vacc[mt][nt], af[mt], b0, b1);
+                    for (int mt = 0; mt < MTV; ++mt) mma_f16(vacc[mt][kk * TPK + tt], af[mt], b0, b1);
                 }
             }
         }
@@ -340,35 +343,23 @@ extern "C" __global__ void __launch_bounds__(NTHR) quant_attn_partial(
         for (int j = 0; j < CPL; ++j) rsum[(warp * G + h) * D + CPL * lane + j] = racc[h][j];
     }
 
-    // ---- 4. the block's sum in a fixed order: warp 0 stores, the others add one after another ----
+    // ---- 4. the block's sum: each warp stores its channels of every row ----
     float (*red)[D + 1] = reinterpret_cast<float (*)[D + 1]>(smem + RING_WORDS);
     float (*redm)[NGD] = reinterpret_cast<float (*)[NGD]>(smem + RING_WORDS + ROWS * (D + 1));
-    for (int wv = 0; wv < WARPS; ++wv) {
-        if (warp == wv) {
+    #pragma unroll
+    for (int mt = 0; mt < MTV; ++mt)
+    #pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+        const int r = 16 * mt + g + 8 * ri;
+        if (r < ROWS) {
             #pragma unroll
-            for (int mt = 0; mt < MTV; ++mt)
+            for (int i = 0; i < NPW; ++i)
             #pragma unroll
-            for (int ri = 0; ri < 2; ++ri) {
-                const int r = 16 * mt + g + 8 * ri;
-                if (r < ROWS) {
-                    #pragma unroll
-                    for (int nt = 0; nt < NTILE; ++nt)
-                    #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        float& x = red[r][8 * nt + 2 * c + j];
-                        x = wv ? x + vacc[mt][nt][2 * ri + j] : vacc[mt][nt][2 * ri + j];
-                    }
-                    #pragma unroll
-                    for (int j = 0; j < 2; ++j)
-                        if (2 * c + j < NGD) {
-                            float& x = redm[r][2 * c + j];
-                            x = wv ? x + macc[mt][2 * ri + j] : macc[mt][2 * ri + j];
-                        }
-                }
-            }
+            for (int j = 0; j < 2; ++j) red[r][8 * (nt0 + i) + 2 * c + j] = vacc[mt][i][2 * ri + j];
+            if (min_warp && c == 0) redm[r][gdw] = macc[mt][2 * ri];
         }
-        __syncthreads();
     }
+    __syncthreads();
     for (int i = threadIdx.x; i < G * D; i += NTHR) {
         const int h = i / D, d = i % D;
         float ring_sum = 0.f;
