@@ -104,6 +104,9 @@ class Block(nn.Module):
         del x
         o = self.self_attn(qkv, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
         del qkv
+        if h.shape[1] <= MLP_CHUNK:  # a decode step or a short prompt: no copy into an output buffer
+            m = self.mlp(self.post_attention_layernorm.add_then_norm(h, self.self_attn.project(o)))
+            return next_norm.add_then_norm(h, m)
         out = torch.empty_like(h)
         for s in range(0, h.shape[1], MLP_CHUNK):  # long prompts in chunks: [T, dim] temporaries stay small
             part = h[:, s:s + MLP_CHUNK]
