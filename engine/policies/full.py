@@ -8,6 +8,7 @@ import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.ops.attention import attend_decode, causal_attention
+from tailorkv.ops.kv_store import store_kv
 
 
 class FullCache(LayerCache):
@@ -26,8 +27,7 @@ class FullCache(LayerCache):
 
     def run(self, q, k, v, step):
         if step.decode:
-            self.k.index_copy_(2, step.positions, k)
-            self.v.index_copy_(2, step.positions, v)
+            store_kv(self.k, self.v, step.positions, k, v)
             n = step.bucket  # static for the graph; the kernel reads only the first position + 1 slots
             return attend_decode(q, self.k[:, :, :n], self.v[:, :, :n], step.positions + 1)
         s, e = step.start, step.end

@@ -33,6 +33,7 @@ from tailorkv.engine.settings import MethodSettings
 from tailorkv.engine.step import fine_bucket
 from tailorkv.ops.attention import causal_attention, sparse_decode_attention
 from tailorkv.ops.host_copy import host_copy
+from tailorkv.ops.kv_store import store_kv
 
 FLUSH = 128  # generated tokens the tail may hold beyond `recent` before they move to the host store
 STORE_CHUNK = 16384  # prompt tokens copied to the host store at a time
@@ -226,8 +227,7 @@ class SparseOffloadCache(LayerCache):
     def _decode(self, q, k, v, prefetched, p):
         S = self.sink
         slot = torch.where(p < S, p, S + p - self.tail_start_dev)
-        self.dev_k.index_copy_(2, slot, k)
-        self.dev_v.index_copy_(2, slot, v)
+        store_kv(self.dev_k, self.dev_v, slot, k, v)
         torch.maximum(self.kmax[0], k.abs().amax(2).float(), out=self.kmax[1])
         pos = None
         if self.middle_whole or self.middle_bucket:
