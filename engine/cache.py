@@ -132,9 +132,9 @@ class ModelCache:
         return all(layer.graph_safe for layer in self.layers)
 
     # --- one forward -----------------------------------------------------------------------------------
-    def begin(self, n: int, positions: torch.Tensor | None = None) -> Step:
-        """The step of n new tokens after what the cache holds; every policy plans it. positions: a device
-        buffer the caller already filled with length .. length + n - 1 (a CUDA graph's static input)."""
+    def begin(self, n: int, positions: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> Step:
+        """The step of n new tokens after what the cache holds; every policy plans it. positions (and lengths,
+        positions + 1): device buffers the caller already filled (a CUDA graph's static inputs)."""
         start, end = self.length, self.length + n
         self._predicted = None
         if end > self.max_len:
@@ -142,10 +142,12 @@ class ModelCache:
         device = self.layers[0].spec.device
         if positions is None:
             positions = torch.arange(start, end, device=device)
+        if lengths is None:
+            lengths = positions + 1
         bucket = bucket_for(end, self.max_len) if n == 1 else end
-        step = Step(start, n, positions, bucket)
+        step = Step(start, n, positions, bucket, lengths=lengths)
         key = (bucket, tuple(layer.plan(step) for layer in self.layers))
-        return Step(start, n, positions, bucket, key)
+        return Step(start, n, positions, bucket, key, lengths)
 
     def layer_input(self, i: int, x: torch.Tensor, step: Step) -> None:
         """Called by the model with layer i's normalized input, before its attention. During decode layer i+1

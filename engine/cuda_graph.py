@@ -16,6 +16,7 @@ class DecodeGraphs:
         dev = model.output_weight.device
         self.tokens = torch.zeros((batch, 1), dtype=torch.long, device=dev)
         self.positions = torch.zeros(1, dtype=torch.long, device=dev)
+        self.lengths = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.pool = None
 
@@ -26,7 +27,8 @@ class DecodeGraphs:
             self.graphs.clear()
         self.tokens.copy_(tokens)
         self.positions.fill_(self.cache.length)
-        step = self.cache.begin(1, self.positions)
+        self.lengths.fill_(self.cache.length + 1)
+        step = self.cache.begin(1, self.positions, self.lengths)
         try:
             if step.key not in self.graphs:
                 self.graphs[step.key] = self._capture(step)

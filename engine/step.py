@@ -1,8 +1,8 @@
 """One forward pass's state, made once by the model cache and read (never written) by the model and every policy.
 
 A decode step (one new token) may be captured in a CUDA graph and replayed for later steps of the same `key`:
-inside `LayerCache.run` it therefore reads only `positions` (a device tensor the runner refills before each
-replay), `bucket`, `key` and what the policy's own `plan` prepared on the device. The host ints `start` / `end`
+inside `LayerCache.run` it therefore reads only `positions` and `lengths` (device tensors the runner refills
+before each replay), `bucket`, `key` and what the policy's own `plan` prepared on the device. The host ints `start` / `end`
 are right for the step at hand, so `plan`, `commit` and any multi-token step may use them.
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Step:
     positions: torch.Tensor    # [n] int64 on the device: start .. start + n - 1
     bucket: int                # decode: attended-length bucket for static shapes; multi-token: end
     key: Hashable = None       # what fixes every static shape of the step (bucket + each policy's plan)
+    lengths: torch.Tensor | None = None  # [n] int64 on the device: positions + 1 (tokens held after each)
 
     @property
     def end(self) -> int:

@@ -29,7 +29,7 @@ class FullCache(LayerCache):
         if step.decode:
             store_kv(self.k, self.v, step.positions, k, v)
             n = step.bucket  # static for the graph; the kernel reads only the first position + 1 slots
-            return attend_decode(q, self.k[:, :, :n], self.v[:, :, :n], step.positions + 1)
+            return attend_decode(q, self.k[:, :, :n], self.v[:, :, :n], step.lengths)
         s, e = step.start, step.end
         self.k[:, :, s:e] = k
         self.v[:, :, s:e] = v
