@@ -264,7 +264,32 @@ def bench_approx():
     return [result(f"approx_scores bf16 r={r} N=128k Hkv=8", checks, ms, mode, nbytes, HBM, "torch reference", base_ms)]
 
 
-BENCHES = {"gather": bench_gather, "qk": bench_qk, "av": bench_av, "qattn": bench_qattn, "attend": bench_attend,
+def bench_linear():
+    """One row times each Llama-3.1-8B weight (the decode step's GEMVs) against F.linear (cuBLAS)."""
+    from tailorkv.ops.linear import linear
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (128256, 4096)}
+    out, step_ms, step_base = [], 0.0, 0.0
+    checks = []
+    for (N, K, dt) in ((1000, 576, torch.bfloat16), (4099, 1544, torch.float16), (6144, 4096, torch.bfloat16)):
+        x, w = randn(1, 1, K, dtype=dt), randn(N, K, dtype=dt, scale=0.02)
+        checks.append(check(f"N={N} K={K} {dt}", kernel("linear", x, w)(x, w), x.float() @ w.float().t(), 8e-3))
+    for name, (N, K) in shapes.items():
+        nbytes = N * K * 2
+        sets = [(randn(1, 1, K, dtype=torch.bfloat16), randn(N, K, dtype=torch.bfloat16, scale=0.02))
+                for _ in range(n_sets(nbytes))]
+        k = kernel("linear", *sets[0])
+        ms, mode = gpu_time([lambda s=s: k(*s) for s in sets])
+        base_ms, _ = gpu_time([lambda s=s: linear.reference(*s) for s in sets])
+        times = 1 if name == "lm_head" else 32
+        step_ms, step_base = step_ms + times * ms, step_base + times * base_ms
+        out.append(result(f"linear bf16 {name} N={N} K={K}", checks, ms, mode, nbytes, HBM, "F.linear (cuBLAS)",
+                          base_ms))
+    print(f"  a Llama-3.1-8B step's projections (32 layers + lm head): {step_ms:.3f} ms, cuBLAS {step_base:.3f} ms")
+    return out
+
+
+BENCHES = {"linear": bench_linear, "gather": bench_gather, "qk": bench_qk, "av": bench_av, "qattn": bench_qattn, "attend": bench_attend,
            "approx": bench_approx}
 
 

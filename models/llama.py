@@ -8,12 +8,12 @@ place with the next norm fused in (ops.fused: one kernel each on the GPU)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tailorkv.models.config import ModelConfig
 from tailorkv.models.rope import Rope
 from tailorkv.ops.fused import add_rms_norm, rms_norm, silu_mul_halves
+from tailorkv.ops.linear import linear
 
 MLP_CHUNK = 4096  # prefill tokens per MLP call: bounds the [T, hidden_dim] activations
 
@@ -66,11 +66,11 @@ class Attention(nn.Module, Stacked):
     def project(self, o):
         """o [B, Hq, T, D] (a chunk of tokens) -> [B, T, dim]."""
         b, _, t, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return linear(o.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight)
 
     def query(self, x, positions, rope: Rope):
         """This layer's roped query alone for input x [B, T, dim] -> [B, Hq, T, D] (reads only W_q)."""
-        q = F.linear(x, self.qkv_proj.weight[:self.sizes[0]])
+        q = linear(x, self.qkv_proj.weight[:self.sizes[0]])
         return rope(self.heads(q, self.n_heads), None, positions)[0]
 
 
@@ -84,7 +84,7 @@ class MLP(nn.Module, Stacked):
         self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(silu_mul_halves(self.gate_up_proj(x)))
+        return linear(silu_mul_halves(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
 
 
 class Block(nn.Module):
@@ -100,7 +100,7 @@ class Block(nn.Module):
         attention); h the residual stream (updated in place). Returns next_norm(h)."""
         x = x_holder.pop()
         cache.layer_input(i, x, step)
-        qkv = self.self_attn.qkv_proj(x)
+        qkv = linear(x, self.self_attn.qkv_proj.weight)
         del x
         o = self.self_attn(qkv, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
         del qkv
@@ -176,7 +176,7 @@ class Llama(nn.Module):
             x = layer(h, holder, i, step, self.rope, cache, nxt)
         if not all_logits:
             x = x[:, -1:]
-        logits = F.linear(x, self.output_weight).float()
+        logits = linear(x, self.output_weight).float()
         return logits if all_logits else logits[:, -1]
 
     def project_query(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""CUDA kernel for ops/linear.py: y = W x for one row x. A block of 256 threads takes ROWS rows of W; its threads
+stride over K in 16-byte chunks (x from L1, W streamed past L1), each thread keeping ROWS fp32 sums, then one
+block reduction per row and one rounding to the output dtype. Many small blocks (N / ROWS) spread the weight
+over every SM without a tail wave; each thread has ROWS * UNROLL loads in flight."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr
+
+THREADS, ROWS = 256, 4
+_SOURCE = r"""
+#define THREADS %(threads)d
+#define ROWS %(rows)d
+struct bf16 { unsigned short b; };
+struct f16 { unsigned short b; };
+__device__ __forceinline__ float lo_f(unsigned w, bf16) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_f(unsigned w, bf16) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float lo_f(unsigned w, f16) {
+    float f; asm("cvt.f32.f16 %%0, %%1;" : "=f"(f) : "h"((unsigned short)(w & 0xffffu))); return f; }
+__device__ __forceinline__ float hi_f(unsigned w, f16) {
+    float f; asm("cvt.f32.f16 %%0, %%1;" : "=f"(f) : "h"((unsigned short)(w >> 16))); return f; }
+__device__ __forceinline__ unsigned short round_to(float x, bf16) {
+    unsigned short r; asm("cvt.rn.bf16.f32 %%0, %%1;" : "=h"(r) : "f"(x)); return r; }
+__device__ __forceinline__ unsigned short round_to(float x, f16) {
+    unsigned short r; asm("cvt.rn.f16.f32 %%0, %%1;" : "=h"(r) : "f"(x)); return r; }
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {  // read once: do not keep it in L1
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%%0, %%1, %%2, %%3}, [%%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ float dot8(const uint4 w, const float* xf) {
+    return lo_f(w.x, T{}) * xf[0] + hi_f(w.x, T{}) * xf[1] + lo_f(w.y, T{}) * xf[2] + hi_f(w.y, T{}) * xf[3]
+         + lo_f(w.z, T{}) * xf[4] + hi_f(w.z, T{}) * xf[5] + lo_f(w.w, T{}) * xf[6] + hi_f(w.w, T{}) * xf[7];
+}
+
+template <typename T>
+__device__ __forceinline__ void gemv(const uint4* x, const uint4* w, unsigned short* y, const int N, const int kc,
+                                     const long long ldw) {
+    __shared__ float part[THREADS / 32][ROWS];
+    const int r0 = blockIdx.x * ROWS;
+    const int nr = min(ROWS, N - r0);
+    float acc[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+    #pragma unroll 4
+    for (int c = threadIdx.x; c < kc; c += THREADS) {
+        const uint4 xv = __ldg(x + c);
+        float xf[8] = {lo_f(xv.x, T{}), hi_f(xv.x, T{}), lo_f(xv.y, T{}), hi_f(xv.y, T{}),
+                       lo_f(xv.z, T{}), hi_f(xv.z, T{}), lo_f(xv.w, T{}), hi_f(xv.w, T{})};
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            if (r < nr) acc[r] += dot8<T>(load_stream(w + (r0 + r) * ldw + c), xf);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        for (int o = 16; o; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+        if (lane == 0) part[warp][r] = acc[r];
+    }
+    __syncthreads();
+    if (threadIdx.x < nr) {
+        float s = 0.f;
+        #pragma unroll
+        for (int i = 0; i < THREADS / 32; ++i) s += part[i][threadIdx.x];
+        y[r0 + threadIdx.x] = round_to(s, T{});
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) gemv_bf16(const uint4* x, const uint4* w, unsigned short* y,
+                                                                const int N, const int kc, const long long ldw) {
+    gemv<bf16>(x, w, y, N, kc, ldw);
+}
+extern "C" __global__ void __launch_bounds__(THREADS) gemv_f16(const uint4* x, const uint4* w, unsigned short* y,
+                                                               const int N, const int kc, const long long ldw) {
+    gemv<f16>(x, w, y, N, kc, ldw);
+}
+"""
+NAMES = {torch.bfloat16: "gemv_bf16", torch.float16: "gemv_f16"}
+
+
+def source() -> str:
+    return _SOURCE % dict(threads=THREADS, rows=ROWS)
+
+
+def load(reference):
+    mod = compile_module(source())
+    kernels = {dt: mod.get_function(name) for dt, name in NAMES.items()}
+
+    def linear(x, weight):
+        """Kernel for one row (x.numel() == K) of bf16/fp16 with weight rows contiguous, K % 8 == 0 and 16-byte
+        aligned rows; else F.linear."""
+        K = x.shape[-1] if x.dim() else 0
+        ok = (x.dtype in kernels and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == K
+              and x.numel() == K and K % 8 == 0 and K > 0 and x.stride(-1) == 1 and weight.stride(1) == 1
+              and weight.stride(0) % 8 == 0 and x.is_cuda and weight.is_cuda and x.device == weight.device
+              and aligned(x, 16) and aligned(weight, 16))
+        if not ok:
+            return reference(x, weight)
+        N = weight.shape[0]
+        y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+        if N:
+            launch(kernels[x.dtype], (-(-N // ROWS),), (THREADS,),
+                   (ptr(x), ptr(weight), ptr(y), np.int32(N), np.int32(K // 8), np.int64(weight.stride(0) // 8)),
+                   x.device)
+        return y
+
+    return linear
