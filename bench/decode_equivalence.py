@@ -3,12 +3,15 @@ For each (model, method): one cache decodes through the engine's path (CUDA grap
 prefetch), another eagerly on one stream; both prefill the same prompt and decode N greedy steps. Then the path
 runs again fed the reference's tokens, so its logits compare step by step (bit-equal, or how far off), and a
 token difference reports the reference's top-2 margin there. --paths adds the mixed paths (eager with the
-copy stream, graphs on one stream) to tell a stream race from a graph's numerics.
+copy stream, graphs on one stream) to tell a stream race from a graph's numerics. --reference-kernels-off runs the
+reference with those kernels off (their torch references or cuBLAS serve), to compare a new kernel's path with
+the one it replaced.
     PYTHONPATH=src python3 bench/decode_equivalence.py --model smollm2-135m --ctx 4096 --steps 256 --out DIR
     PYTHONPATH=src python3 bench/decode_equivalence.py --model llama-3.1-8b --random-weights --ctx 32768 ..."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -37,6 +40,21 @@ def greedy(loaded, settings, prompt, steps, max_len, graph: bool, overlap: bool,
     return toks, torch.stack(logits)
 
 
+@contextlib.contextmanager
+def kernels_off(names: str):
+    """TAILORKV_KERNELS_OFF=names while inside (the dispatch rule reads it at every call)."""
+    old = os.environ.get("TAILORKV_KERNELS_OFF")
+    if names:
+        os.environ["TAILORKV_KERNELS_OFF"] = names
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TAILORKV_KERNELS_OFF", None)
+        else:
+            os.environ["TAILORKV_KERNELS_OFF"] = old
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -47,6 +65,7 @@ def main():
     ap.add_argument("--bits", type=int, default=1)
     ap.add_argument("--paths", default="graph+overlap", help="compared with --reference: " + ",".join(PATHS))
     ap.add_argument("--reference", default="eager+sync", choices=list(PATHS))
+    ap.add_argument("--reference-kernels-off", default="", help="comma-separated op names (e.g. linear,store_kv)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -57,7 +76,10 @@ def main():
     rows = []
     for method in args.methods.split(","):
         s = MethodSettings(method=method, bits=args.bits)
-        ref, ref_logits = greedy(loaded, s, prompt, args.steps, args.ctx, *PATHS[args.reference])
+        with kernels_off(args.reference_kernels_off):
+            ref, ref_logits = greedy(loaded, s, prompt, args.steps, args.ctx, *PATHS[args.reference])
+        reference = args.reference + (f" (kernels off: {args.reference_kernels_off})"
+                                      if args.reference_kernels_off else "")
         for path in args.paths.split(","):
             graph, overlap = PATHS[path]
             got, _ = greedy(loaded, s, prompt, args.steps, args.ctx, graph, overlap)
@@ -71,12 +93,12 @@ def main():
             rows.append({"model": loaded.name, "method": method, "path": path, "ctx": args.ctx,
                          "steps": args.steps, "equal": ref == got, "first_difference": first,
                          "tokens": len(ref), "first_logit_difference": first_logit,
-                         "max_logit_difference": diff.max().item(), "reference": args.reference,
+                         "max_logit_difference": diff.max().item(), "reference": reference,
                          "max_relative_logit_difference": rel.max().item(),
                          "relative_logit_difference_first_steps": rel[:8].tolist(),
                          "margin_at_first_difference": None if first is None else
                          (top2[first, 0] - top2[first, 1]).item()})
-            print(f"{loaded.name} {method} ctx {args.ctx} {path} vs {args.reference}: {args.steps} greedy steps "
+            print(f"{loaded.name} {method} ctx {args.ctx} {path} vs {reference}: {args.steps} greedy steps "
                   + ("identical" if ref == got else f"DIFFER from step {first} (reference's top-2 margin "
                      f"there {rows[-1]['margin_at_first_difference']:.3g})")
                   + f"; logits on the reference's tokens: first differ at step {first_logit}, "
