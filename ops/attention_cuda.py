@@ -13,7 +13,8 @@ The channels of a K row are permuted alike in q and K (a dot product does not ca
 row is whole uint4s; the output channels that V^T's rows stand for are chosen the same way. The next step's K is
 loaded as soon as S is computed and its V as soon as the product with V is issued, so a warp holds a step's
 K and V (8 KB per 16 keys) in flight. The warps merge in a fixed order in shared memory; pass 2 merges the splits
-of each (batch, query head) in a fixed order, one thread per channel. No atomics: the result is deterministic.
+of each (batch, query head) in a fixed order (4 runs of splits per channel, then the runs). No atomics: the result
+is deterministic.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def load(reference, config: dict | None = None):
                 ptr(v), np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(v.stride(2)),
                 ptr(length), np.int32(len_stride), np.int32(N), np.int32(Hkv),
                 np.float32(scale), ptr(pm), ptr(pl), ptr(pacc)), q.device)
-        launch(reduce, (B * Hq,), (D,), (ptr(pm), ptr(pl), ptr(pacc), np.int32(splits), ptr(out)), q.device)
+        launch(reduce, (B * Hq,), (D, 4), (ptr(pm), ptr(pl), ptr(pacc), np.int32(splits), ptr(out)), q.device)
         return out
 
     attend_decode.config = cfg

@@ -266,29 +266,45 @@ extern "C" __global__ void BOUNDS attend_partial(
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) pacc[o * D + i] = oacc[i];
 }
 
-// one block per (batch, KV head, query head of its group), one thread per channel: the splits merged in order
-extern "C" __global__ void attend_reduce(const float* __restrict__ pm, const float* __restrict__ pl,
-        const float* __restrict__ pacc, const int splits, ktype* __restrict__ out) {
+__device__ __forceinline__ void merge(float& M, float& l, float& a, float mc, float lc, float ac) {
+    const float mn = fmaxf(M, mc);
+    const float sa = M == NEG_INF ? 0.f : exp2f(M - mn), sc = mc == NEG_INF ? 0.f : exp2f(mc - mn);
+    l = l * sa + lc * sc;
+    a = a * sa + ac * sc;
+    M = mn;
+}
+
+#define RG 4        // split groups of the reduce
+#define RB 12       // splits a thread loads at once
+
+// one block per (batch, KV head, query head of its group), one thread per (channel, group of splits): each group
+// merges its run of splits in order, then group 0 merges the groups in order
+extern "C" __global__ void __launch_bounds__(D * RG) attend_reduce(const float* __restrict__ pm,
+        const float* __restrict__ pl, const float* __restrict__ pacc, const int splits, ktype* __restrict__ out) {
+    __shared__ float gm[RG], gl[RG], ga[RG][D];
     const int bhg = blockIdx.x, bh = bhg / G, g = bhg % G, BH = gridDim.x / G;
+    const int ch = threadIdx.x, r = threadIdx.y, c1 = (r + 1) * splits / RG;
     float M = NEG_INF, l = 0.f, a = 0.f;
-    for (int c0 = 0; c0 < splits; c0 += 16) {               // 16 splits' loads in flight at once
-        float mc[16], lc[16], ac[16];
+    for (int c0 = r * splits / RG; c0 < c1; c0 += RB) {
+        float mc[RB], lc[RB], ac[RB];
         #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < RB; ++j) {
             const long long i = ((long long)(c0 + j) * BH + bh) * G + g;
-            const bool ok = c0 + j < splits;
+            const bool ok = c0 + j < c1;
             mc[j] = ok ? pm[i] : NEG_INF;
             lc[j] = ok ? pl[i] : 0.f;
-            ac[j] = ok ? pacc[i * D + threadIdx.x] : 0.f;
+            ac[j] = ok ? pacc[i * D + ch] : 0.f;
         }
         #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const float mn = fmaxf(M, mc[j]);
-            const float sa = M == NEG_INF ? 0.f : exp2f(M - mn), sc = mc[j] == NEG_INF ? 0.f : exp2f(mc[j] - mn);
-            l = l * sa + lc[j] * sc;
-            a = a * sa + ac[j] * sc;
-            M = mn;
-        }
+        for (int j = 0; j < RB; ++j) merge(M, l, a, mc[j], lc[j], ac[j]);
     }
-    out[(long long)bhg * D + threadIdx.x] = (ktype)(l > 0.f ? a / l : 0.f);
+    if (ch == 0) { gm[r] = M; gl[r] = l; }
+    ga[r][ch] = a;
+    __syncthreads();
+    if (r == 0) {
+        M = NEG_INF; l = 0.f; a = 0.f;
+        #pragma unroll
+        for (int i = 0; i < RG; ++i) merge(M, l, a, gm[i], gl[i], ga[i][ch]);
+        out[(long long)bhg * D + ch] = (ktype)(l > 0.f ? a / l : 0.f);
+    }
 }
