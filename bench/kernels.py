@@ -212,14 +212,29 @@ def bench_qattn():
     return out
 
 
+# attend_decode variants timed side by side (the first is the module's CONFIG): one run picks the best
+ATTEND_VARIANTS = {
+    "w4 k32 b2": {},
+    "w4 k16 b3": dict(keys_per_step=16, blocks_per_sm=3, min_blocks=3),
+    "w8 k32 b1": dict(warps=8, blocks_per_sm=1),
+    "w2 k32 b4": dict(warps=2, blocks_per_sm=4),
+    "w4 k32 b4 (2 waves)": dict(blocks_per_sm=4),
+    "w4 k32 b2 L2::256B": dict(load="L2::256B"),
+    "w4 k16 b3 L2::256B": dict(keys_per_step=16, blocks_per_sm=3, min_blocks=3, load="L2::256B"),
+}
+
+
 def bench_attend():
+    from tailorkv.ops import attention_cuda
     checks = []
     for (B, Hq, Hkv, N, D, lens, dt) in ((1, 32, 8, 8192, 128, [8192], torch.bfloat16),
                                           (1, 32, 8, 8192, 128, [1000], torch.bfloat16),
                                           (1, 32, 8, 131072, 128, [131072], torch.bfloat16),
                                           (1, 32, 8, 131072, 128, [9000], torch.bfloat16),
                                           (2, 9, 3, 3000, 64, [2999, 17], torch.float16),
-                                          (1, 32, 4, 4096, 128, [4000], torch.bfloat16)):
+                                          (1, 32, 4, 4096, 128, [4000], torch.bfloat16),
+                                          (1, 16, 1, 2048, 128, [2047], torch.bfloat16),
+                                          (1, 8, 8, 1000, 64, [1], torch.float16)):
         q, k_, v_ = randn(B, Hq, 1, D, dtype=dt), randn(B, Hkv, N, D, dtype=dt), randn(B, Hkv, N, D, dtype=dt)
         length = torch.tensor(lens, device=DEV)
         k = kernel("attend_decode", q, k_, v_, length)
@@ -229,16 +244,45 @@ def bench_attend():
     out = []
     B, Hq, Hkv, N, D = 1, 32, 8, 131072, 128
     q, kb, vb = randn(B, Hq, 1, D, dtype=torch.bfloat16), randn(B, Hkv, N, D, dtype=torch.bfloat16), randn(B, Hkv, N, D, dtype=torch.bfloat16)
-    k = kernel("attend_decode", q, kb, vb, torch.tensor(N, device=DEV))
-    for L in (1024, 9000, 32768, N):
-        length = torch.tensor(L, device=DEV)
+
+    def windows(L):
         nbytes = 2 * B * Hkv * L * D * 2
-        offs = [i * L for i in range(min(n_sets(nbytes), N // L))]     # disjoint windows of the buffer
+        return nbytes, [i * L for i in range(min(n_sets(nbytes), N // L))]     # disjoint windows of the buffer
+
+    base = {}
+    for L in (1024, 8192, 9000, 32768, N):
+        nbytes, offs = windows(L)
+        base[L], _ = gpu_time([lambda o=o, e=L: F.scaled_dot_product_attention(q, kb[:, :, o:o + e], vb[:, :, o:o + e],
+                                                                             enable_gqa=True) for o in offs])
+    k = kernel("attend_decode", q, kb, vb, torch.tensor(N, device=DEV))
+    for L in (1024, 9000, 32768):                       # the module's default, in a 128k buffer (a bucket)
+        length = torch.tensor(L, device=DEV)
+        nbytes, offs = windows(L)
         ms, mode = gpu_time([lambda o=o, n=length: k(q, kb[:, :, o:], vb[:, :, o:], n) for o in offs])
-        base_ms, _ = gpu_time([lambda o=o, e=L: F.scaled_dot_product_attention(q, kb[:, :, o:o + e], vb[:, :, o:o + e],
-                                                                           enable_gqa=True) for o in offs])
         out.append(result(f"attend_decode bf16 N=128k length={L} Hq=32 Hkv=8 D=128", checks, ms, mode,
-                          nbytes, HBM, "SDPA enable_gqa over exactly length keys", base_ms))
+                          nbytes, HBM, "SDPA enable_gqa over exactly length keys", base[L]))
+    wants = {}
+    print(f"  {'variant':22} {'length':>7} {'buffer':>7} {'check':>14} {'ms':>8} {'GB/s':>6} {'SDPA ms':>8}")
+    for name, cfg in ATTEND_VARIANTS.items():
+        try:
+            kv = attention_cuda.load(attend_decode.reference, cfg)
+        except Exception as e:  # noqa: BLE001 - a variant that does not build is reported, the others go on
+            print(f"  {name:22} did not build: {type(e).__name__}: {e}")
+            continue
+        for L, buf in ((8192, 8192), (N, N)):
+            length = torch.tensor(L, device=DEV)
+            nbytes, offs = windows(L)
+            if L not in wants:
+                wants[L] = attend_decode.reference(q, kb[:, :, :buf], vb[:, :, :buf], length)
+            err = max_rel(kv(q, kb[:, :, :buf], vb[:, :, :buf], length), wants[L])
+            c = dict(shape=f"{name} length={L}", max_rel_err=err if math.isfinite(err) else None, bound=2e-2,
+                     **{"pass": err <= 2e-2})
+            ms, mode = gpu_time([lambda o=o, n=length, kv=kv, e=buf: kv(q, kb[:, :, o:o + e], vb[:, :, o:o + e], n)
+                                 for o in offs])
+            print(f"  {name:22} {L:7d} {buf:7d} {err:9.1e} {'PASS' if c['pass'] else 'FAIL'} {ms:8.4f} "
+                  f"{nbytes / ms / 1e6:6.0f} {base[L]:8.4f}", flush=True)
+            out.append(result(f"attend_decode [{name}] length={L} of {buf}", [c], ms, mode, nbytes, HBM,
+                              "SDPA enable_gqa over exactly length keys", base[L], dict(config=kv.config)))
     return out
 
 

@@ -45,7 +45,7 @@ def plain(q, k, v, lengths, sm_scale):
 def poison():
     """Fill and free blocks of the sizes the kernels allocate (output, partials), so that a kernel that leaves
     any of it unwritten shows NaN."""
-    for n in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
+    for n in (1 << 12, 1 << 16, 1 << 17, 1 << 18, 1 << 20, 1 << 22):
         torch.full((n,), float("nan"), device="cuda")
 
 
@@ -84,6 +84,10 @@ CASES = [  # (B, Hq, Hkv, N, D, lengths, dtype)
     (2, 32, 8, 5000, 128, [4999, 1], torch.float16), (1, 9, 3, 1000, 64, [777], torch.bfloat16),
     (3, 4, 4, 300, 64, [0, 300, 65], torch.float16), (1, 16, 1, 2048, 128, [2048], torch.bfloat16),
     (2, 24, 8, 700, 128, [700, 700], torch.bfloat16), (1, 8, 8, 64, 128, [64], torch.float16),
+    (1, 32, 8, 8192, 128, [8192], torch.bfloat16), (1, 32, 8, 9216, 128, [8200], torch.bfloat16),
+    (1, 8, 1, 4097, 128, [4097], torch.float16), (2, 6, 2, 1000, 64, [1, 999], torch.bfloat16),
+    (1, 4, 4, 33, 128, [33], torch.float16), (1, 24, 8, 5000, 64, [4321], torch.float16),
+    (4, 32, 8, 2048, 128, [2048, 31, 1500, 0], torch.bfloat16), (1, 12, 1, 100, 128, [17], torch.bfloat16),
 ]
 
 
@@ -106,6 +110,44 @@ def test_attend_decode_kernel_equals_reference(B, Hq, Hkv, N, D, lengths, dtype)
     assert rel_err(got, plain(q, k, v, lengths, 1 / math.sqrt(D)).to(dtype)) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
     poison()
     assert torch.equal(kernel(q, k, v, length), got), "a second call (counters reset) gives the same bits"
+
+
+CONFIGS = [dict(keys_per_step=16), dict(warps=8, blocks_per_sm=1), dict(warps=2, blocks_per_sm=4),
+           dict(blocks_per_sm=4, load="L2::256B"), dict(keys_per_step=16, blocks_per_sm=3, min_blocks=3),
+           dict(max_splits=1), dict(warps=1, blocks_per_sm=8, load="L1::no_allocate.L2::256B")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("B,Hq,Hkv,N,D,lengths,dtype", [CASES[1], CASES[9], CASES[11], CASES[15], CASES[20]])
+def test_attend_decode_kernel_configs_equal_reference(config, B, Hq, Hkv, N, D, lengths, dtype):
+    from tailorkv.ops import attention_cuda
+    g = torch.Generator().manual_seed(SEED + N + Hq + 3)
+    q, k, v = buffers(g, B, Hq, Hkv, N, D, lengths, dtype, "cuda")
+    length = (torch.tensor(lengths) if len(set(lengths)) > 1 else torch.tensor(lengths[0])).cuda()
+    kernel = attention_cuda.load(attend_decode.reference, config)
+    poison()
+    got = kernel(q, k, v, length)
+    want = plain(q, k, v, lengths, 1 / math.sqrt(D)).to(dtype)
+    assert rel_err(got, want) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_attend_decode_kernel_sources_and_splits():
+    """Without a GPU: every kernel source the configs ask for formats, and the grid stays within its bounds."""
+    from tailorkv.ops import attention_cuda
+    for config in [{}] + CONFIGS:
+        for d in (64, 128):
+            for g in (1, 3, 4, 8, 9, 16):
+                for dt in (torch.bfloat16, torch.float16):
+                    src = attention_cuda.source(d, g, dt, config)
+                    assert "attend_partial" in src and "attend_reduce" in src and "{{" not in src
+        assert attention_cuda.splits_for(8, 131072, 4, 132, config) >= 1
+    assert attention_cuda.splits_for(8, 131072, 4, 132) == 33
+    assert attention_cuda.splits_for(8, 64, 4, 132) == 2                    # one per 32-key step at most
+    assert attention_cuda.splits_for(1024, 131072, 4, 132) == 1
+    assert attention_cuda.splits_for(3, 10 ** 6, 3, 132) == 88
+    with pytest.raises(ValueError):
+        attention_cuda.source(128, 4, torch.bfloat16, dict(keys_per_step=64))
 
 
 @pytest.mark.cuda
