@@ -214,13 +214,13 @@ def bench_qattn():
 
 # attend_decode variants timed side by side (the first is the module's CONFIG): one run picks the best
 ATTEND_VARIANTS = {
-    "w4 k32 b2": {},
-    "w4 k16 b3": dict(keys_per_step=16, blocks_per_sm=3, min_blocks=3),
+    "w2 k32 b4": {},
+    "w4 k32 b2": dict(warps=4, blocks_per_sm=2),
+    "w4 k16 b3": dict(warps=4, keys_per_step=16, blocks_per_sm=3, min_blocks=3),
     "w8 k32 b1": dict(warps=8, blocks_per_sm=1),
-    "w2 k32 b4": dict(warps=2, blocks_per_sm=4),
-    "w4 k32 b4 (2 waves)": dict(blocks_per_sm=4),
-    "w4 k32 b2 L2::256B": dict(load="L2::256B"),
-    "w4 k16 b3 L2::256B": dict(keys_per_step=16, blocks_per_sm=3, min_blocks=3, load="L2::256B"),
+    "w4 k32 b4 (2 waves)": dict(warps=4, blocks_per_sm=4),
+    "w4 k32 b2 L2::256B": dict(warps=4, blocks_per_sm=2, load="L2::256B"),
+    "w4 k16 b3 L2::256B": dict(warps=4, keys_per_step=16, blocks_per_sm=3, min_blocks=3, load="L2::256B"),
 }
 
 

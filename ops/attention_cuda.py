@@ -32,7 +32,7 @@ from tailorkv.ops.quant_common_cuda import C_TYPES
 # sized for (one wave); min_blocks: __launch_bounds__' minimum blocks per SM (0: none; caps the registers at
 # 64K / (min_blocks * warps * 32), which spills if set too high); max_splits: cap on blocks per (batch, KV head);
 # load: "" for __ldg, else the cache qualifiers of an ld.global.nc.<load>.v4.u32 (one of LOADS).
-CONFIG = dict(warps=4, keys_per_step=32, blocks_per_sm=2, min_blocks=0, max_splits=512, load="")
+CONFIG = dict(warps=2, keys_per_step=32, blocks_per_sm=4, min_blocks=0, max_splits=512, load="")  # fastest of ATTEND_VARIANTS on the H200
 LOADS = ("", "L2::256B", "L1::no_allocate.L2::256B")
 CU_FILE = os.path.join(os.path.dirname(__file__), "attention_decode.cu")
 

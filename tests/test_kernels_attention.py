@@ -112,7 +112,7 @@ def test_attend_decode_kernel_equals_reference(B, Hq, Hkv, N, D, lengths, dtype)
     assert torch.equal(kernel(q, k, v, length), got), "a second call (counters reset) gives the same bits"
 
 
-CONFIGS = [dict(keys_per_step=16), dict(warps=8, blocks_per_sm=1), dict(warps=2, blocks_per_sm=4),
+CONFIGS = [dict(keys_per_step=16), dict(warps=4, blocks_per_sm=2), dict(warps=8, blocks_per_sm=1), dict(warps=2, blocks_per_sm=4),
            dict(blocks_per_sm=4, load="L2::256B"), dict(keys_per_step=16, blocks_per_sm=3, min_blocks=3),
            dict(max_splits=1), dict(warps=1, blocks_per_sm=8, load="L1::no_allocate.L2::256B")]
 
