@@ -142,10 +142,12 @@ def test_attend_decode_kernel_sources_and_splits():
                     src = attention_cuda.source(d, g, dt, config)
                     assert "attend_partial" in src and "attend_reduce" in src and "{{" not in src
         assert attention_cuda.splits_for(8, 131072, 4, 132, config) >= 1
-    assert attention_cuda.splits_for(8, 131072, 4, 132) == 33
-    assert attention_cuda.splits_for(8, 64, 4, 132) == 2                    # one per 32-key step at most
-    assert attention_cuda.splits_for(1024, 131072, 4, 132) == 1
-    assert attention_cuda.splits_for(3, 10 ** 6, 3, 132) == 88
+    w4b2 = dict(warps=4, blocks_per_sm=2)
+    assert attention_cuda.splits_for(8, 131072, 4, 132, w4b2) == 33                 # one wave of 2 blocks per SM
+    assert attention_cuda.splits_for(8, 131072, 4, 132, dict(warps=2, blocks_per_sm=4)) == 66
+    assert attention_cuda.splits_for(8, 64, 4, 132, w4b2) == 2              # one per 32-key step at most
+    assert attention_cuda.splits_for(1024, 131072, 4, 132, w4b2) == 1
+    assert attention_cuda.splits_for(3, 10 ** 6, 3, 132, w4b2) == 88
     with pytest.raises(ValueError):
         attention_cuda.source(128, 4, torch.bfloat16, dict(keys_per_step=64))
 
