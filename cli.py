@@ -7,7 +7,8 @@ import sys
 import click
 
 from tailorkv import __version__
-from tailorkv.engine.options import check_for_model, check_knob_use, method_options, model_options, peek, settings_from
+from tailorkv.engine.options import (check_for_model, check_knob_use, method_options, model_defaults, model_options,
+                                     peek, settings_from)
 from tailorkv.engine.ui import (OneLineErrors, UserError, cap_gpu_memory, check_ctx, friendly, load_with_progress,
                                 parse_ctx, pick_device, pick_dtype, read_text_file, set_threads, utf8_text)
 
@@ -68,8 +69,9 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     dev = pick_device(device)
     cap_gpu_memory(gpu_mem_limit, dev)
     set_threads(threads)
-    cfg = peek(model, weights, random_weights)
+    cfg, family = peek(model, weights, random_weights)
     ctx_len = check_ctx(ctx_len, cfg, model)
+    settings = model_defaults(settings, family)
     check_for_model([settings], cfg, click.get_current_context())
 
     loaded = load_with_progress(model, weights, random_weights, dev, pick_dtype(dtype, dev))
@@ -90,7 +92,16 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
         sys.stdout.write("\n")
         return
     from tailorkv.engine.repl import repl
-    repl(chat, max_new_tokens, tuple(stop), sampling_note=f"{sampling.describe()} ({source})")
+    repl(chat, max_new_tokens, tuple(stop), sampling_note=f"{sampling.describe()} ({source})",
+         method_note=method_note(settings, bits, family))
+
+
+def method_note(settings, bits: str | None, family: dict) -> str:
+    """What the banner adds to the method's name: tailorkv's bits and where they come from."""
+    if settings.method != "tailorkv":
+        return ""
+    from tailorkv.engine.methods import model_bits
+    return f", {settings.bits}-bit quantized layers from {'--bits' if bits is not None else model_bits(family)[1]}"
 
 
 def one_shot_prompt(prompt: str | None, prompt_file: str | None) -> str | None:

@@ -9,7 +9,7 @@ import torch
 
 from tailorkv.engine.cache import LayerSpec, ModelCache
 from tailorkv.engine.scheduler import Scheduler
-from tailorkv.engine.settings import MethodSettings
+from tailorkv.engine.settings import DEFAULT_BITS, MethodSettings
 from tailorkv.models.loader import CONFIG_DIR
 
 
@@ -27,6 +27,26 @@ def profile_quant_layers(family: dict) -> list[int] | None:
     """Quantization-friendly layers: from the model's calibration profile, else the family's paper value."""
     prof = _profile(family)
     return list(prof["quant_layers"]) if prof else family.get("quant_layers")
+
+
+def model_bits(family: dict) -> tuple[int, str]:
+    """(bits, where they come from) of the quantized layers when --bits is not given: the model config's "bits"
+    (configs/NAME.json), else the engine's DEFAULT_BITS. A value other than 1 or 2 there is a ValueError naming
+    the file and the field."""
+    if "bits" not in family:
+        return DEFAULT_BITS, "the engine's default"
+    bits, name = family["bits"], family.get("name")
+    if type(bits) is not int or bits not in (1, 2):
+        raise ValueError(f"{os.path.join(CONFIG_DIR, f'{name}.json')}: \"bits\" (the quantized layers' default) "
+                         f"must be 1 or 2, got {json.dumps(bits)}: fix that field of the model's config")
+    return bits, f"configs/{name}.json"
+
+
+def with_model_defaults(settings: MethodSettings, family: dict) -> MethodSettings:
+    """settings with what they leave to the model (bits None) taken from its config. The config is checked even
+    when --bits is given: a broken config is reported, not skipped."""
+    bits, _ = model_bits(family)
+    return settings if settings.bits is not None else dataclasses.replace(settings, bits=bits)
 
 
 def own_query_layers_of(prediction_cos: list[float | None] | None, below: float) -> list[int]:
@@ -83,6 +103,7 @@ def build_cache(loaded, settings: MethodSettings, max_len: int, batch: int = 1,
                 device=None, dtype: torch.dtype | None = None, overlap: bool = True) -> ModelCache:
     """overlap=False: one stream for everything (the synchronous reference of the two-stream pipeline)."""
     settings.validate()
+    settings = with_model_defaults(settings, loaded.family)
     if settings.method == "tailorkv" and settings.own_query_layers is None:
         prof = _profile(loaded.family)
         own = own_query_layers_of(prof.get("prediction_cos") if prof else None, settings.own_query_below)

@@ -31,12 +31,14 @@ def _users(knob: str) -> str:
 
 
 def method_options(fn):
-    from tailorkv.engine.settings import CHANNEL_RULES, METHODS, SELECT_MODES, SELECT_RULES, MethodSettings
+    from tailorkv.engine.settings import (CHANNEL_RULES, DEFAULT_BITS, METHODS, SELECT_MODES, SELECT_RULES,
+                                          MethodSettings)
     d = MethodSettings()
     opts = [
         click.option("--method", type=click.Choice(METHODS), default="full", show_default=True, help="KV-cache method"),
-        click.option("--bits", type=click.Choice(["1", "2"]), default=str(d.bits), show_default=True,
-                     help=f"bits of quantized layers ({_users('bits')})"),
+        click.option("--bits", type=click.Choice(["1", "2"]), default=None,
+                     help=f"bits of quantized layers (default: the model's config, configs/NAME.json \"bits\", "
+                          f"else {DEFAULT_BITS}; {_users('bits')})"),
         click.option("--budget", type=int, default=d.budget, show_default=True,
                      help=f"tokens per sparse layer ({_users('budget')})"),
         click.option("--sink", type=int, default=d.sink, show_default=True, help=f"first tokens kept ({_users('sink')})"),
@@ -103,8 +105,9 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
             raise UserError(f"--quant-layers '{quant_layers}' is not a list of layer numbers like 0,1") from None
     rules = {k: v for k, v in (("select_rule", select_rule), ("channel_rule", channel_rule),
                                ("own_query_below", own_query_below)) if v is not None}
-    s = MethodSettings(method=method, bits=int(bits), budget=budget, sink=sink, recent=recent, channels=channels,
-                       quant_layers=ql, select=select, sketch_bits=int(sketch_bits), **rules)
+    s = MethodSettings(method=method, bits=None if bits is None else int(bits), budget=budget, sink=sink,
+                       recent=recent, channels=channels, quant_layers=ql, select=select,
+                       sketch_bits=int(sketch_bits), **rules)
     try:
         s.validate()
     except ValueError as e:
@@ -125,10 +128,21 @@ def check_for_model(settings_list, cfg, ctx: click.Context) -> None:
 
 
 def peek(model: str, weights, random_weights: bool):
-    """The model's config before loading it (LoadError -> one line)."""
+    """(the model's hyper-parameters, its configs/NAME.json entry or {}) before loading it (LoadError -> one
+    line)."""
     from tailorkv.models.errors import LoadError
     from tailorkv.models.loader import peek_config
     try:
         return peek_config(model, weights, random_weights)
     except LoadError as e:
+        raise UserError(str(e)) from None
+
+
+def model_defaults(settings, family: dict):
+    """settings with the knobs the user left out taken from the model's config (its "bits"); a bad value there
+    -> one line naming the file and the field."""
+    from tailorkv.engine.methods import with_model_defaults
+    try:
+        return with_model_defaults(settings, family)
+    except ValueError as e:
         raise UserError(str(e)) from None

@@ -46,13 +46,13 @@ def stats_text(chat, last) -> str:
     return "\n".join(lines)
 
 
-def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = "") -> None:
+def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = "", method_note: str = "") -> None:
     con = Console(highlight=False, soft_wrap=True)  # long lines wrap in the terminal, not at 80 columns in logs
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
     eng = chat.engine
-    con.print(f"[bold]tailorkv[/] {escape(eng.loaded.name)} ({eng.cache.method}) on {eng.device}, "
-              f"context {eng.max_len}; sampling {escape(sampling_note)}.\n[dim]{HELP}[/]")
+    con.print(f"[bold]tailorkv[/] {escape(eng.loaded.name)} ({eng.cache.method}{escape(method_note)}) on "
+              f"{eng.device}, context {eng.max_len}; sampling {escape(sampling_note)}.\n[dim]{HELP}[/]")
     last = None
     while True:
         try:

@@ -7,6 +7,7 @@ METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
 SELECT_MODES = ("channels", "sketch")   # where a sparse layer's approximate scores come from
 SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
 CHANNEL_RULES = ("paper", "max", "l2")   # how the r channels per KV head are chosen (ops/sparse_select.py)
+DEFAULT_BITS = 1  # quantized layers' bits when neither --bits nor the model's config ("bits") names them
 
 # The methods each knob changes; under the others it has no effect (the CLI refuses it there).
 KNOB_USERS = {
@@ -27,7 +28,8 @@ KNOB_USERS = {
 @dataclass
 class MethodSettings:
     method: str = "full"
-    bits: int = 1            # quantized layers: 1 or 2 bits
+    bits: int | None = None  # quantized layers: 1 or 2 bits; None: the model's config's "bits", else DEFAULT_BITS
+    #                          (engine.methods.with_model_defaults, called by build_cache and by the commands)
     group: int = 64          # quantization group (tokens for keys, channels for values)
     residual: int = 128      # full-precision recent tokens in quantized layers
     budget: int = 1024       # tokens attended per sparse layer: sink + top-K + recent
@@ -68,7 +70,7 @@ class MethodSettings:
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method '{self.method}'; choose one of {', '.join(METHODS)}")
-        if self.bits not in (1, 2):
+        if self.bits not in (None, 1, 2):
             raise ValueError(f"--bits must be 1 or 2, got {self.bits}")
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"--sink and --recent must be >= 0, got {self.sink} and {self.recent}")

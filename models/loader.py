@@ -84,14 +84,16 @@ def resolve(name: str, weights: str | None = None, random_weights: bool = False)
     return family, path
 
 
-def peek_config(name: str = DEFAULT_MODEL, weights: str | None = None, random_weights: bool = False) -> ModelConfig:
-    """The model's hyper-parameters without loading its weights (to check arguments first)."""
+def peek_config(name: str = DEFAULT_MODEL, weights: str | None = None,
+                random_weights: bool = False) -> tuple[ModelConfig, dict]:
+    """The model's hyper-parameters and its family entry ({} for a path), without loading its weights (to check
+    arguments first)."""
     family, path = resolve(name, weights, random_weights)
     if random_weights and family:
-        return ModelConfig.from_dict(family["arch"])
+        return ModelConfig.from_dict(family["arch"]), family
     cfg = _config_of(path)
     check_family(family, cfg, path)
-    return cfg
+    return cfg, family
 
 
 SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size")

@@ -44,8 +44,10 @@ def test_streamingllm_loses_a_fact_that_tailorkv_keeps(smol):
         chat = ChatSession(engine(smol, method, **BUDGET_3PCT))
         chat.send("Read the following text carefully. I will ask you about the pass key in it.\n\n" + s.context,
                   max_new_tokens=12)
+        # 24 tokens: at SmolLM2's 2 bits tailorkv answers in a sentence ("The pass key in the text I gave you is
+        # 69807."), which 12 tokens cut before the last four digits
         answers[method], _ = chat.send("What is the pass key in the text I gave you? Answer with the number only.",
-                                       max_new_tokens=12)
+                                       max_new_tokens=24)
     assert s.answers[0] in answers["tailorkv"]
     assert s.answers[0] not in answers["streamingllm"]
 
@@ -53,7 +55,7 @@ def test_streamingllm_loses_a_fact_that_tailorkv_keeps(smol):
 def test_device_memory_at_8k_under_10_percent_of_full(smol):
     ctx = 8192
     full_kv = build_cache(smol, MethodSettings("full"), max_len=ctx).device_bytes()
-    eng = engine(smol, "tailorkv", max_len=ctx)  # the paper's defaults: 64 + 896 + 64, 12 channels, 1 bit
+    eng = engine(smol, "tailorkv", max_len=ctx)  # the paper's 64 + 896 + 64, 12 channels; SmolLM2's 2 bits
     ids = torch.randint(0, 49152, (ctx - 16,), generator=torch.Generator().manual_seed(0)).tolist()
     eng.generate(ids, 4)
     held = eng.cache.device_bytes()

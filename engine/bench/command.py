@@ -190,7 +190,8 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     ctx_list = [ui.parse_ctx(c) for c in ui.split_list(ctxs)] if ctxs is not None else None
     dev = ui.pick_device(device)
     limit = ui.parse_bytes(gpu_mem_limit) if gpu_mem_limit else None
-    cfg = options.peek(model, weights, random_weights)
+    cfg, family = options.peek(model, weights, random_weights)
+    settings = {m: options.model_defaults(s, family) for m, s in settings.items()}
     options.check_for_model(settings.values(), cfg, click.get_current_context())
     plan = B.BenchPlan(ctxs=ctx_list or default_ctxs(cfg.max_context), methods=names, settings=settings,
                        decode_steps=decode_steps, warmup=warmup, batch=batch, seed=seed,

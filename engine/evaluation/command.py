@@ -177,7 +177,8 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
     if resume and not out:
         raise ui.UserError("--resume needs --out DIR: the folder of the run to finish")
     dev = ui.pick_device(device)
-    cfg = options_mod.peek(model, weights, random_weights)
+    cfg, family = options_mod.peek(model, weights, random_weights)
+    plan.base = options_mod.model_defaults(plan.base, family)  # every method's settings derive from it
     too_long = [n for n in plan.lengths if n > cfg.max_context]
     if too_long:
         raise ui.UserError(f"--lengths {too_long[0]} is beyond what {model} supports "

@@ -102,6 +102,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     from rich.table import Table
     import torch
 
+    from tailorkv.engine.methods import model_bits
     from tailorkv.engine.profiling.calibration import profile_model, validate
     from tailorkv.engine.profiling.plot import plot_profile
 
@@ -122,7 +123,9 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
 
     dev = ui.pick_device(device)
     dt = ui.pick_dtype(dtype, dev)
-    limit_ctx = options.peek(model, weights, random_weights).max_context
+    cfg, family = options.peek(model, weights, random_weights)
+    limit_ctx = cfg.max_context
+    bits, bits_source = model_bits(family)  # checked before calibrating; shown with the result
     if length is not None and length > limit_ctx:
         raise ValueError(f"--length {length} is beyond what {model} supports ({limit_ctx} tokens): "
                          f"lower --length")
@@ -215,6 +218,8 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     q = res["quant_layers"]
     con.print(f"quantization-friendly layers: {', '.join(map(str, q)) if q else 'none'} "
               f"({len(q)} of {loaded.cfg.n_layers}); calibration took {secs:.1f} s")
+    if q:
+        con.print(f"tailorkv keeps their KV at {bits} bits unless --bits is given ({bits_source})")
     con.print(f"wrote {out_path}")
     con.print(f"wrote {img_path}")
     return prof
