@@ -212,6 +212,8 @@ def test_recall_probe_against_brute_force(tiny):
         mid = p[lo:hi]
         vals.append(1 - (mid.sum() - mid[sel[h // g]].sum()))
     assert probe.values[1] == pytest.approx(float(torch.stack(vals).mean()), abs=1e-5)
+    per_layer = probe.summary()["attn_recall_per_layer"]
+    assert set(per_layer) == {1, 2} and per_layer[2] == pytest.approx(probe.values[1])
 
 
 def test_compare_logits():

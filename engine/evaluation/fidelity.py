@@ -54,6 +54,7 @@ class RecallProbe:
     def __init__(self, cache):
         self.layers = [layer for layer in cache.layers if hasattr(layer, "selector")]
         self.values: list[float] = []      # one per (decode step, selecting layer)
+        self.per_layer: dict[int, list[float]] = {layer.spec.layer_idx: [] for layer in self.layers}
         self._seen: set[int] = set()
 
     def __enter__(self):
@@ -72,6 +73,7 @@ class RecallProbe:
         for layer in self.layers:
             if id(layer) not in self._seen:
                 self.values.append(1.0)
+                self.per_layer[layer.spec.layer_idx].append(1.0)
         self._seen.clear()
 
     def _observe(self, layer, q, picked) -> None:
@@ -90,12 +92,14 @@ class RecallProbe:
         hits.scatter_add_(2, torch.where(inside, picked - lo, 0), inside.int())
         left_out = (middle * (hits == 0)[:, :, None, :]).sum(-1)                      # [B, H, G]
         self.values.append(float((1.0 - left_out).mean()))
+        self.per_layer[layer.spec.layer_idx].append(self.values[-1])
 
     def summary(self) -> dict:
         if not self.layers:
             return {"attn_recall": None, "attn_recall_min": None}
         v = self.values
-        return {"attn_recall": statistics.fmean(v) if v else None, "attn_recall_min": min(v) if v else None}
+        return {"attn_recall": statistics.fmean(v) if v else None, "attn_recall_min": min(v) if v else None,
+                "attn_recall_per_layer": {i: statistics.fmean(r) for i, r in self.per_layer.items() if r}}
 
 
 def compare_logits(full: torch.Tensor, other: torch.Tensor, target: int) -> dict:
