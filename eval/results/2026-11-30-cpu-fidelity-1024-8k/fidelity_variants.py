@@ -108,6 +108,7 @@ out = {"name": a.name, "dtype": a.dtype, "length": a.length, "prefix_tokens": pr
        "nll_full": nf, "nll_method": nm,
        "attn_recall": probe.summary()["attn_recall"] if probe else None,
        "attn_recall_min": probe.summary()["attn_recall_min"] if probe else None,
+       "attn_recall_per_layer": probe.summary()["attn_recall_per_layer"] if probe else None,
        "pcie_bytes_per_step_mean": statistics.fmean(fetched), "tokens_attended_per_step_mean": statistics.fmean(attended),
        "device_kv_bytes": cache.device_bytes(), "host_kv_bytes": cache.host_bytes(),
        "element_bytes": torch.tensor([], dtype=dtype).element_size(),
