@@ -104,15 +104,15 @@ class Block(nn.Module):
         del x
         o = self.self_attn(qkv, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
         del qkv
+
+        def rest(part, o_part):  # the output projection, the MLP and the next norm over some of the tokens
+            m = self.mlp(self.post_attention_layernorm.add_then_norm(part, self.self_attn.project(o_part)))
+            return next_norm.add_then_norm(part, m)
         if h.shape[1] <= MLP_CHUNK:  # a decode step or a short prompt: no copy into an output buffer
-            m = self.mlp(self.post_attention_layernorm.add_then_norm(h, self.self_attn.project(o)))
-            return next_norm.add_then_norm(h, m)
+            return rest(h, o)
         out = torch.empty_like(h)
         for s in range(0, h.shape[1], MLP_CHUNK):  # long prompts in chunks: [T, dim] temporaries stay small
-            part = h[:, s:s + MLP_CHUNK]
-            attn = self.self_attn.project(o[:, :, s:s + MLP_CHUNK])
-            m = self.mlp(self.post_attention_layernorm.add_then_norm(part, attn))
-            out[:, s:s + MLP_CHUNK] = next_norm.add_then_norm(part, m)
+            out[:, s:s + MLP_CHUNK] = rest(h[:, s:s + MLP_CHUNK], o[:, :, s:s + MLP_CHUNK])
         return out
 
 
