@@ -74,10 +74,11 @@ class SparseOffloadCache(LayerCache):
         dev = dict(dtype=spec.dtype, device=spec.device)
         self.dev_k = torch.zeros(B, H, self.sink + self.cap, D, **dev)
         self.dev_v = torch.zeros_like(self.dev_k)
-        # max |K| per KV head and channel over the held tokens (entry 0); a decode step writes its update to
-        # entry 1 and its commit (outside any CUDA graph) copies it to entry 0, so running the step again (a
-        # graph's warm-ups) reads what it read
-        self.kmax = torch.zeros(2, B, H, D, dtype=torch.float32, device=spec.device)
+        # max |K| per KV head and channel over the held tokens; a decode step writes its update to kmax_next and
+        # its commit (outside any CUDA graph) copies that to kmax, so running the step again (a graph's
+        # warm-ups) reads what it read
+        self.kmax = torch.zeros(B, H, D, dtype=torch.float32, device=spec.device)
+        self.kmax_next = torch.zeros_like(self.kmax)
         self.tail_start_dev = torch.zeros((), dtype=torch.long, device=spec.device)
         self.reset()
 
@@ -87,6 +88,7 @@ class SparseOffloadCache(LayerCache):
         self.held = 0
         self._set_tail_start(self.sink)  # always >= sink; the middle is [sink, tail_start)
         self.kmax.zero_()
+        self.kmax_next.zero_()
         if self.sketch is not None:
             self.sketch.reset()
         self.q_hat = None
@@ -143,11 +145,12 @@ class SparseOffloadCache(LayerCache):
 
     def kmax_before(self) -> torch.Tensor:
         """max |K| [B, Hkv, D] over the tokens held before this step."""
-        return self.kmax[0]
+        return self.kmax
 
     def device_bytes(self) -> int:
         sketch = self.sketch.device_bytes() if self.sketch is not None else 0
-        return sketch + sum(t.numel() * t.element_size() for t in (self.dev_k, self.dev_v, self.kmax))
+        held = (self.dev_k, self.dev_v, self.kmax, self.kmax_next)
+        return sketch + sum(t.numel() * t.element_size() for t in held)
 
     def whole_middle(self, q) -> torch.Tensor:
         """A middle of at most top-K tokens taken whole: positions sink .. sink + K - 1 (those past the
@@ -211,7 +214,7 @@ class SparseOffloadCache(LayerCache):
 
     def commit(self, step) -> None:
         if step.decode:
-            self.kmax[0].copy_(self.kmax[1])
+            self.kmax.copy_(self.kmax_next)
             self.held += 1
             if self._tail_len() >= self.cap:
                 self._flush((self._tail_len() - self.recent) // self.align * self.align)
@@ -228,7 +231,7 @@ class SparseOffloadCache(LayerCache):
         S = self.sink
         slot = torch.where(p < S, p, S + p - self.tail_start_dev)
         store_kv(self.dev_k, self.dev_v, slot, k, v)
-        torch.maximum(self.kmax[0], k.abs().amax(2).float(), out=self.kmax[1])
+        torch.maximum(self.kmax, k.abs().amax(2).float(), out=self.kmax_next)
         pos = None
         if self.middle_whole or self.middle_bucket:
             if self.middle_bucket and not prefetched:  # no prediction came: fetch from the current query
@@ -247,7 +250,7 @@ class SparseOffloadCache(LayerCache):
         the tail's newest `recent` tokens go to the host store."""
         start, end, S = self.held, self.held + k.shape[2], self.sink
         for s in range(0, k.shape[2], STORE_CHUNK):  # |K| of a long prompt in chunks: no [T] sized temporary
-            torch.maximum(self.kmax[0], k[:, :, s:s + STORE_CHUNK].abs().amax(2).float(), out=self.kmax[0])
+            torch.maximum(self.kmax, k[:, :, s:s + STORE_CHUNK].abs().amax(2).float(), out=self.kmax)
         ns = max(0, min(S, end) - start)
         if ns:
             self.dev_k[:, :, start:start + ns] = k[:, :, :ns]
