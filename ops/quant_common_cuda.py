@@ -46,11 +46,12 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, unsigned v
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(d), "l"(src), "r"(valid));
 }
 
-// a warp stages `total` bytes from src to shared dst in units of U bytes (16/8/4: cp.async; 2: plain loads),
-// zero-filling from byte `valid` on; src (and dst) must be U-byte aligned and src readable
+// nthr threads (a warp by default; thread `lane` of them) stage `total` bytes from src to shared dst in units of
+// U bytes (16/8/4: cp.async; 2: plain loads), zero-filling from byte `valid` on; src (and dst) must be U-byte
+// aligned and src readable
 template <int U> __device__ __forceinline__ void stage_copy(void* dst, const void* src, int total, int valid,
-                                                            int lane) {
-    for (int j = lane; j < total / U; j += 32) {
+                                                            int lane, int nthr = 32) {
+    for (int j = lane; j < total / U; j += nthr) {
         const int v = min(max(valid - U * j, 0), U);
         const char* s = static_cast<const char*>(src) + (v > 0 ? U * j : 0);
         char* d = static_cast<char*>(dst) + U * j;
@@ -94,7 +95,7 @@ __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// One 16-token tile of a value product (av_quant, quant_decode): A row r = part * G + head holds part `part_of`
+// One 16-token tile of a value product (av_quant): A row r = part * G + head holds part `part_of`
 // (of 3, bf16) of p * scale for this lane's 4 tokens (pr[mt][ri][j]: rows r0 = 16 mt + g, r1 = r0 + 8; tokens
 // 4c + j); B = the codes of the tile's 16 tokens staged at st (WPT words each), as bf16 0..3; acc += A B and, for
 // part 0, bacc += p * min. ss, sm: the tile's fp16 scales and mins (NGD per token).

@@ -37,14 +37,6 @@
 #define NTHR (WARPS * 32)
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-// the block copies `total` bytes (a multiple of 16) from src to shared dst, zero-filling from byte `valid` on
-__device__ __forceinline__ void block_copy16(void* dst, const void* src, int total, int valid) {
-    for (int j = threadIdx.x; j < total / 16; j += NTHR) {
-        const int v = min(max(valid - 16 * j, 0), 16);
-        cp_async16(static_cast<char*>(dst) + 16 * j, static_cast<const char*>(src) + (v > 0 ? 16 * j : 0), v);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(NTHR) quant_attn_partial(
         const qtype* __restrict__ q, const long long qsb, const long long qsh,
         const unsigned* __restrict__ kcodes, const long long kcb, const long long kch,
@@ -93,9 +85,12 @@ extern "C" __global__ void __launch_bounds__(NTHR) quant_attn_partial(
         }
         cp_async_commit();
         const long long tv = t0;
-        block_copy16(smem + OFF_V, vcodes + b * vcb + kvh * vch + tv * WPT, ntile * 16 * WPT * 4, nq * WPT * 4);
-        block_copy16(smem + OFF_VS, vscale + b * vsb + kvh * vsh + tv * NGD, ntile * 32 * NGD, nq * NGD * 2);
-        block_copy16(smem + OFF_VM, vmin + b * vmb + kvh * vmh + tv * NGD, ntile * 32 * NGD, nq * NGD * 2);
+        stage_copy<16>(smem + OFF_V, vcodes + b * vcb + kvh * vch + tv * WPT, ntile * 16 * WPT * 4, nq * WPT * 4,
+                       threadIdx.x, NTHR);
+        stage_copy<16>(smem + OFF_VS, vscale + b * vsb + kvh * vsh + tv * NGD, ntile * 32 * NGD, nq * NGD * 2,
+                       threadIdx.x, NTHR);
+        stage_copy<16>(smem + OFF_VM, vmin + b * vmb + kvh * vmh + tv * NGD, ntile * 32 * NGD, nq * NGD * 2,
+                       threadIdx.x, NTHR);
         cp_async_commit();
     }
 
