@@ -2,8 +2,8 @@
 
 A decode step (one new token) may be captured in a CUDA graph and replayed for later steps of the same `key`:
 inside `LayerCache.run` it therefore reads only `positions` and `lengths` (device tensors the runner refills
-before each replay), `bucket`, `key` and what the policy's own `plan` prepared on the device. The host ints `start` / `end`
-are right for the step at hand, so `plan`, `commit` and any multi-token step may use them.
+before each replay), `bucket`, `key` and what the policy's own `plan` prepared on the device. The host ints
+`start` / `end` are right for the step at hand, so `plan`, `commit` and any multi-token step may use them.
 """
 from __future__ import annotations
 
