@@ -25,3 +25,31 @@ def test_summary_of_two_streams():
     assert list(s["stream_busy_ms"]) == ["13", "7"] or list(s["stream_busy_ms"]) == ["7", "13"]
     assert abs(s["other_streams_overlapped_ms"] - 0.1 / 2) < 1e-9
     assert abs(s["concurrent_ms"] - (400 - 300) / 1e3 / 2) < 1e-9  # 400 us of intervals in a 300 us union
+
+
+def test_prefill_flops_of_llama_3_1_8b():
+    from tailorkv.engine.bench.driver import prefill_flops
+    from tailorkv.models.config import ModelConfig
+    cfg = ModelConfig(name="llama", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                      vocab_size=128256, norm_eps=1e-5, rope_theta=5e5, max_context=131072)
+    one = prefill_flops(cfg, 1)
+    # 6.98e9 projection weights (8.03e9 less the two 0.53e9 embedding tables), plus the last token's logits
+    assert abs(one["dense (gemm/gemv)"] - 2 * (6.98e9 + 0.525e9)) / one["dense (gemm/gemv)"] < 0.01
+    n = 131072
+    f = prefill_flops(cfg, n, batch=2)
+    assert abs(f["attention"] - 2 * 4 * 32 * 32 * 128 * n * (n + 1) / 2) < 1
+    logits = 2 * 4096 * 128256
+    assert f["dense (gemm/gemv)"] == 2 * (n * (one["dense (gemm/gemv)"] - logits) + logits)
+
+
+def test_prefill_stage_table_shows_tflops():
+    from rich.console import Console
+    from tailorkv.engine.bench.command import prefill_stage_table
+    cell = {"method": "full", "ctx": 131072, "prompt_tokens": 131000,
+            "prefill_stages": {"kernels_per_step": 9000, "gpu_busy_ms": 11000.0, "wall_ms": 11200.0,
+                               "stage_ms": {"attention": 6500.0, "dense (gemm/gemv)": 3000.0, "other": 100.0},
+                               "flops": {"attention": 4.5e15, "dense (gemm/gemv)": 1.95e15}}}
+    con = Console(width=300, record=True)
+    con.print(prefill_stage_table(cell))
+    text = " ".join(con.export_text().split())   # the title wraps at the table's width
+    assert "692" in text and "650" in text and "11.20 s" in text   # 4.5e15 / 6.5 s, 1.95e15 / 3.0 s

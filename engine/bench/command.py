@@ -128,6 +128,23 @@ def stage_table(cell: dict):
     return t
 
 
+def prefill_stage_table(cell: dict):
+    """The stage breakdown of one cell's profiled prefill, with the TFLOP/s of its matmul stages."""
+    from rich.table import Table
+    from tailorkv.engine.bench.plot import ctx_label
+    st = cell["prefill_stages"]
+    t = Table(title=f"{cell['method']} @ {ctx_label(cell['ctx'])}: prefill of {cell['prompt_tokens']} tokens, "
+                    f"{st['kernels_per_step']:.0f} kernels, GPU busy {st['gpu_busy_ms'] / 1e3:.2f} s of "
+                    f"{st['wall_ms'] / 1e3:.2f} s", title_justify="left", header_style="bold")
+    t.add_column("stage")
+    t.add_column("s", justify="right")
+    t.add_column("TFLOP/s", justify="right")
+    for name, ms in st["stage_ms"].items():
+        flops = st.get("flops", {}).get(name)
+        t.add_row(name, f"{ms / 1e3:.3f}", f"{flops / (ms / 1e3) / 1e12:.0f}" if flops and ms else "")
+    return t
+
+
 def register(main: click.Group) -> click.Command:
     from tailorkv.engine import options, ui
     from tailorkv.engine.settings import METHODS
@@ -153,14 +170,18 @@ def register(main: click.Group) -> click.Command:
     @click.option("--no-cuda-graph", is_flag=True, help="decode eagerly even where a CUDA graph is possible")
     @click.option("--profile", "profile_steps", type=int, default=0, show_default=True,
                   help="GPU: a stage breakdown (kernels, GPU busy, time per stage and stream) of N decode steps")
+    @click.option("--profile-prefill", is_flag=True,
+                  help="GPU: a stage breakdown of each cell's prefill, with the TFLOP/s of attention and GEMMs")
     @ui.friendly
     def bench(model, weights, random_weights, device, dtype, threads, ctxs, methods, decode_steps, warmup, batch,
-              gpu_mem_limit, hbm_gbps, pcie_gbps, out, fmt, seed, no_cuda_graph, profile_steps, **knobs):
+              gpu_mem_limit, hbm_gbps, pcie_gbps, out, fmt, seed, no_cuda_graph, profile_steps, profile_prefill,
+              **knobs):
         """Latency and memory sweep over methods x context lengths (bench.json + PNG plots)."""
         ui.set_threads(threads)
         run_bench(click.get_current_context().params, model, weights, random_weights, device, dtype, ctxs, methods,
                   decode_steps, warmup, batch, gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs,
-                  cuda_graph=not no_cuda_graph, fmt=fmt, profile_steps=profile_steps)
+                  cuda_graph=not no_cuda_graph, fmt=fmt, profile_steps=profile_steps,
+                  profile_prefill=profile_prefill)
 
     # --methods replaces method_options' single --method; its other knobs (--budget, --bits, ...) stay
     bench.params = [p for p in bench.params if p.name != "method"]
@@ -168,7 +189,8 @@ def register(main: click.Group) -> click.Command:
 
 
 def run_bench(params, model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
-              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs, cuda_graph=True, fmt=None, profile_steps=0):
+              gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs, cuda_graph=True, fmt=None, profile_steps=0,
+              profile_prefill=False):
     import torch
     from rich.console import Console, Group
     from rich.live import Live
@@ -195,7 +217,8 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     options.check_for_model(settings.values(), cfg, click.get_current_context())
     plan = B.BenchPlan(ctxs=ctx_list or default_ctxs(cfg.max_context), methods=names, settings=settings,
                        decode_steps=decode_steps, warmup=warmup, batch=batch, seed=seed,
-                       hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps)
+                       hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps,
+                       profile_prefill=profile_prefill)
     plan.validate(cfg.max_context)
     limit = ui.cap_gpu_memory(gpu_mem_limit, dev)
     hbm_measured = B.measure_hbm_gbps(dev)
@@ -253,6 +276,8 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
         if c["status"] != "ok":
             ui.err.print(f"[red]{c['method']} @ {c['ctx']}: {c['status'].upper()}[/] {escape(c['error'])}")
     for c in cells:
+        if c.get("prefill_stages"):
+            con.print(prefill_stage_table(c))
         if c.get("stages"):
             con.print(stage_table(c))
     ok = sum(c["status"] == "ok" for c in cells)

@@ -49,6 +49,7 @@ class BenchPlan:
     margin: int = MARGIN
     cuda_graph: bool = True  # decode through the engine's CUDA graph where the cache allows it
     profile_steps: int = 0   # > 0 (GPU): a stage breakdown of that many decode steps (engine.bench.stages)
+    profile_prefill: bool = False  # GPU: a stage breakdown of the prefill, with TFLOP/s of its matmuls
 
     def settings_for(self, method: str) -> MethodSettings:
         return self.settings.get(method) or MethodSettings(method=method)
@@ -183,7 +184,14 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     _sync(device)
     t0 = time.perf_counter()
     runner = Runner(model, cache, use_cuda_graph=plan.cuda_graph)
-    logits = runner.prefill(prompt)
+    if plan.profile_prefill and cuda:
+        from tailorkv.engine.bench.stages import profile_steps
+        held = []
+        out["prefill_stages"] = profile_steps(lambda r=runner, p=prompt: held.append(r.prefill(p)), 1)
+        out["prefill_stages"]["flops"] = prefill_flops(loaded.cfg, n_prompt, plan.batch)
+        logits = held[0]
+    else:
+        logits = runner.prefill(prompt)
     _sync(device)
     out["prefill_s"] = time.perf_counter() - t0
     out["prefill_tok_s"] = plan.batch * n_prompt / out["prefill_s"]
@@ -250,6 +258,16 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     return out
 
 
+def prefill_flops(cfg, n: int, batch: int = 1) -> dict:
+    """Matmul flops of prefilling n tokens from an empty cache (exact causal attention, logits of the last token):
+    dense = 2 x tokens x the projection weights; attention = q.K^T and P.V over the causal triangle."""
+    hd, layers = cfg.head_dim, cfg.n_layers
+    per_layer = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * cfg.dim + 3 * cfg.dim * cfg.hidden_dim
+    dense = 2.0 * batch * (n * layers * per_layer + cfg.dim * cfg.vocab_size)
+    attention = 2.0 * 2.0 * batch * layers * cfg.n_heads * hd * n * (n + 1) / 2
+    return {"dense (gemm/gemv)": dense, "attention": attention}
+
+
 def floor_of(cell: dict, weight_read_bytes: int, kv_token_bytes: int, plan: BenchPlan) -> dict:
     """kv_token_bytes: K and V of one token in one layer, all batch rows."""
     stats = cell["stats"]
@@ -313,7 +331,7 @@ def warm_up(loaded, plan: BenchPlan, on_phase: Callable[[str, int, str], None] |
     (measured on the H200: tailorkv's 8k prefill took 2.66 s as a process's first cell, 0.55 s after one)."""
     if loaded.model.output_weight.device.type != "cuda" and not force:
         return []
-    small = replace(plan, ctxs=[], decode_steps=2, warmup=2, profile_steps=0)
+    small = replace(plan, ctxs=[], decode_steps=2, warmup=2, profile_steps=0, profile_prefill=False)
     ctx = min([WARM_CTX, *plan.ctxs])
     out = []
     for method in plan.methods:
