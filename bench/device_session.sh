@@ -14,10 +14,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 export TAILORKV_COMMIT=${TAILORKV_COMMIT:-unknown}
-# The SmolLM2 GGUF (98 MB) travels in two calls: .gguf1/part00 then .gguf2/part01, joined in /tmp/gguf.
+# The SmolLM2 GGUF (98 MB) travels in three calls (a call carries 64 MiB with the tree): .gguf1/part00,
+# .gguf2/part01, .gguf3/part02, each copied to /tmp/gguf and joined when the last arrives.
 mkdir -p /tmp/gguf
-[ -f .gguf1/part00 ] && cp .gguf1/part00 /tmp/gguf/
-[ -f .gguf2/part01 ] && [ -f /tmp/gguf/part00 ] && cat /tmp/gguf/part00 .gguf2/part01 >/tmp/gguf/smollm2.gguf
+for p in .gguf1/part00 .gguf2/part01 .gguf3/part02; do [ -f "$p" ] && cp "$p" /tmp/gguf/; done
+[ -f .gguf3/part02 ] && cat /tmp/gguf/part00 /tmp/gguf/part01 /tmp/gguf/part02 >/tmp/gguf/smollm2.gguf
 [ -f /tmp/gguf/smollm2.gguf ] && export TAILORKV_SMOLLM2_GGUF=/tmp/gguf/smollm2.gguf && md5sum /tmp/gguf/smollm2.gguf
 summary=()
 step() {  # name, limit in s, command...
