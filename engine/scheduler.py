@@ -18,13 +18,17 @@ from contextlib import contextmanager
 
 import torch
 
+# The copy stream's priority (lower is higher; CUDA graphs keep it per kernel node): its gathers then take SM
+# slots ahead of the compute stream's queued blocks instead of behind a GEMV that fills every SM.
+COPY_STREAM_PRIORITY = 0
+
 
 class Scheduler:
     def __init__(self, device: torch.device, overlap: bool = True):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.overlap = overlap and self.cuda
-        self._copy = torch.cuda.Stream(self.device) if self.overlap else None
+        self._copy = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY) if self.overlap else None
         self._events: dict[str, torch.cuda.Event] = {}
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
 
