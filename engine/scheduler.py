@@ -18,9 +18,10 @@ from contextlib import contextmanager
 
 import torch
 
-# The copy stream's priority (lower is higher; CUDA graphs keep it per kernel node): its gathers then take SM
-# slots ahead of the compute stream's queued blocks instead of behind a GEMV that fills every SM.
-COPY_STREAM_PRIORITY = 0
+# The copy stream's priority (lower is higher, torch clamps to the device's range; CUDA graphs keep it per kernel
+# node): its gathers take SM slots ahead of the compute stream's queued blocks instead of waiting behind a GEMV
+# that fills every SM. Measured on the H200 (tailorkv, 8B shape): 32k 11.76 -> 10.32 ms/token, 8k and 128k equal.
+COPY_STREAM_PRIORITY = -5
 
 
 class Scheduler:
