@@ -344,3 +344,39 @@ def test_sketch_selects_the_top_of_its_dequantized_keys(gen):
     logits = (q1.reshape(B, hkv, hq // hkv, D) @ deq.transpose(-1, -2)) / math.sqrt(D)   # [B, Hkv, G, 256]
     want = torch.logsumexp(logits, 2).topk(20, -1).indices + lo
     assert torch.equal(seen[0].sort(-1).values, want.sort(-1).values)
+
+
+def test_sketch_counts_its_extra_tail_tokens_against_the_top_k(gen):
+    """A prompt whose middle is not whole 64-token groups: the remainder stays exact in the tail, and as many
+    of the top-K (the lowest-scored) are dropped, so the layer attends as many tokens as the channels path."""
+    B, hq, hkv, D, P = 1, 6, 2, 32, 8 + 256 + 16 + 20
+    spec = spec_of(hq, hkv, D, B, max_len=600)
+    kw = dict(budget=8 + 40 + 16, sink=8, recent=16)
+    sp, ch = One(SparseOffloadCache(spec, settings(**kw, select="sketch", sketch_bits=2))), \
+        One(SparseOffloadCache(spec, settings(**kw)))
+    q, K, V = qkv(gen, B, hq, hkv, P, D)
+    sp.attend(q, K, V, 0), ch.attend(q, K, V, 0)
+    assert len(sp.regions()["tail"]) == 16 + 20 and sp.extra == 20 and int(sp.extra_dev) == 20
+    assert len(ch.regions()["tail"]) == 16 and ch.extra == 0
+    seen = []
+
+    class Spy(type(sp.selector)):
+        def select(self, layer, q1):
+            seen.append(super().select(layer, q1))
+            return seen[-1]
+    sp.selector = Spy()
+    q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
+    sp.attend(q1, k1, v1, P), ch.attend(q1, k1, v1, P)
+    picked = seen[0]
+    kept = picked[picked >= 0].reshape(B, hkv, -1)
+    assert picked.shape[-1] == 40 and kept.shape[-1] == 20
+    # the kept ones are the top 20 of the sketch's scores: its top-20 selection equals them
+    assert sp.stats()["tokens_attended"] == ch.stats()["tokens_attended"]
+    sp.topk, sp.extra_dev = 20, torch.zeros((), dtype=torch.long)
+    again = sp.selector.select(sp, q1)
+    assert torch.equal(kept.sort(-1).values, again.sort(-1).values)
+    sp.topk, sp.selector = 40, type(sp.selector)()
+    for p in range(P + 1, P + 112):  # the tail reaches recent + FLUSH: two groups move, past the prompt's end
+        q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
+        sp.attend(q1, k1, v1, p)
+    assert sp.regions()["tail"].start > P - 16 and sp.extra == 0 and int(sp.extra_dev) == 0

@@ -6,8 +6,10 @@ The sketch is the KIVI key layout of ops/quant.py (per channel, groups of `group
 and min, codes packed into int32 words) over positions sink, sink + 1, ... of the middle; the layer keeps its
 middle a whole number of groups long (SparseOffloadCache.align), so every sketched group is complete.
 At a decode step the query's scores over the sketch come from the 1/2-bit attention kernel (`qk_quant`), the
-heads of a GQA group are combined by the layer's rule, and the top-K positions are taken; nothing is fetched
-before the layer's own query exists.
+heads of a GQA group are combined by the layer's rule, and the top-K positions are taken, less as many as the
+tail holds prompt tokens beyond `recent` (the remainder of the last group, up to group - 1 tokens, stays exact
+in the tail), so the sketch attends as many tokens as the paper's path; nothing is fetched before the layer's
+own query exists.
 """
 from __future__ import annotations
 
@@ -70,4 +72,9 @@ class SketchSelector(TokenSelector):
         logits = layer.sketch.logits(q, n)
         valid = torch.arange(lo, lo + n, device=q.device) < layer.tail_start_dev
         scores = combine_heads(logits.masked_fill(~valid, float("-inf")), layer.spec.n_kv_heads, self.rule)
-        return topk_tokens(scores, k) + lo  # the logits are scaled already: combine_heads' sm_scale stays 1
+        idx = topk_tokens(scores, k)  # the logits are scaled already: combine_heads' sm_scale stays 1
+        # the tail's extra prompt tokens (layer.extra_dev) replace the lowest-scored of the K: position -1
+        # lies outside the middle, so the attention skips it
+        order = scores.gather(-1, idx).argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(k, device=q.device).expand_as(order))
+        return torch.where(rank < k - layer.extra_dev, idx + lo, -1)

@@ -80,12 +80,15 @@ class SparseOffloadCache(LayerCache):
         self.kmax = torch.zeros(B, H, D, dtype=torch.float32, device=spec.device)
         self.kmax_next = torch.zeros_like(self.kmax)
         self.tail_start_dev = torch.zeros((), dtype=torch.long, device=spec.device)
+        # prompt tokens the tail holds beyond `recent` (the sketch's middle is whole groups long): they count
+        # against the top-K, so every selection rule attends the same number of tokens
+        self.extra_dev = torch.zeros((), dtype=torch.long, device=spec.device)
         self.reset()
 
     # --- bookkeeping ------------------------------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
-        self.held = 0
+        self.held, self.prompt_end = 0, 0  # prompt_end: where the last multi-token step ended
         self._set_tail_start(self.sink)  # always >= sink; the middle is [sink, tail_start)
         self.kmax.zero_()
         self.kmax_next.zero_()
@@ -98,6 +101,8 @@ class SparseOffloadCache(LayerCache):
     def _set_tail_start(self, pos: int) -> None:
         self.tail_start = pos
         self.tail_start_dev.fill_(pos)
+        self.extra = max(0, self.prompt_end - pos - self.recent)
+        self.extra_dev.fill_(self.extra)
 
     def regions(self) -> dict[str, range]:
         return {"sink": range(0, min(self.sink, self.held)),
@@ -175,11 +180,11 @@ class SparseOffloadCache(LayerCache):
         most = self.spec.max_len - self.sink if self.sketch is None else self.sketch.capacity
         self.middle_bucket = min(fine_bucket(mid), most) if mid > self.topk else 0
         self._plan_buffers()
-        fetched = min(mid, self.topk)
+        fetched = min(mid, self.topk) - (self.extra if mid > self.topk else 0)
         kt_rows = 0 if self.sketch is not None else self.r * self.middle_bucket
         kt_bytes = self.spec.batch * self.spec.n_kv_heads * kt_rows * self.host_k.element_size()
         self.prefetch_after_attention = kt_bytes <= LATE_PREFETCH_BYTES
-        gathered = self.topk if mid > 0 else 0
+        gathered = fetched if mid > 0 else 0
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
         self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
                      "middle_tokens": mid, "tokens_attended": on_device + fetched}
@@ -208,6 +213,7 @@ class SparseOffloadCache(LayerCache):
         if step.decode:
             return self._decode(q, k, v, prefetched, step.positions)
         out = self._attend_many(q, k, v, step.start)
+        self.prompt_end = step.end
         self._store(k, v)
         self.held = step.end
         return out
