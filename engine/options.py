@@ -31,7 +31,7 @@ def _users(knob: str) -> str:
 
 
 def method_options(fn):
-    from tailorkv.engine.settings import (CHANNEL_RULES, DEFAULT_BITS, METHODS, SELECT_MODES, SELECT_RULES,
+    from tailorkv.engine.settings import (CHANNEL_RULES, DEFAULT_BITS, METHODS, SELECT_MODES, SELECT_RULES, SKETCH_BITS,
                                           MethodSettings)
     d = MethodSettings()
     opts = [
@@ -50,8 +50,9 @@ def method_options(fn):
                      help=f"e.g. 0,1 (default: the model's profile; {_users('quant_layers')})"),
         click.option("--select", type=click.Choice(SELECT_MODES), default=d.select, show_default=True,
                      help="sparse layers' scores: the paper's r channels of K^T from host memory (channels) or "
-                          f"a 1/2-bit key sketch kept on the device (sketch) ({_users('select')})"),
-        click.option("--sketch-bits", type=click.Choice(["1", "2"]), default=str(d.sketch_bits), show_default=True,
+                          f"a 1/2/4-bit key sketch kept on the device (sketch) ({_users('select')})"),
+        click.option("--sketch-bits", type=click.Choice([str(b) for b in SKETCH_BITS]), default=str(d.sketch_bits),
+                     show_default=True,
                      help=f"bits of the key sketch ({_users('sketch_bits')})"),
         click.option("--select-rule", type=click.Choice(SELECT_RULES), default=d.select_rule, show_default=True,
                      help="top-K tokens of a KV head from its query heads' scores: summed logits (paper), "

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, asdict
 
 METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
 SELECT_MODES = ("channels", "sketch")   # where a sparse layer's approximate scores come from
+SKETCH_BITS = (1, 2, 4)                 # the key sketch's precision (4 bits: the torch scoring path)
 SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
 CHANNEL_RULES = ("paper", "max", "l2")   # how the r channels per KV head are chosen (ops/sparse_select.py)
 DEFAULT_BITS = 1  # quantized layers' bits when neither --bits nor the model's config ("bits") names them
@@ -43,7 +44,7 @@ class MethodSettings:
     # (the defaults: eval/results/2026-11-30-cpu-selection-rules)
     select: str = "channels"   # SELECT_MODES: channels = the paper's r channels of K^T fetched from host memory;
     #                            sketch = a low-bit copy of the middle's keys on the device scores every channel
-    sketch_bits: int = 2       # bits of the sketch (1 or 2)
+    sketch_bits: int = 2       # bits of the sketch (SKETCH_BITS)
     quant_layers: list[int] | None = None  # None: from the model's profile
     own_query_below: float = 0.5  # sparse layers whose profiled q-hat cosine (one-layer-early prediction) is below
     #                               this select from their own query, without the prefetch; 0 = never
@@ -80,8 +81,8 @@ class MethodSettings:
             raise ValueError(f"--channels must be at least 1, got {self.channels}")
         if self.select not in SELECT_MODES:
             raise ValueError(f"--select {self.select}: use {', '.join(SELECT_MODES)}")
-        if self.sketch_bits not in (1, 2):
-            raise ValueError(f"--sketch-bits must be 1 or 2, got {self.sketch_bits}")
+        if self.sketch_bits not in SKETCH_BITS:
+            raise ValueError(f"--sketch-bits must be 1, 2 or 4, got {self.sketch_bits}")
         if self.select_rule not in SELECT_RULES:
             raise ValueError(f"--select-rule {self.select_rule}: use {', '.join(SELECT_RULES)}")
         if self.channel_rule not in CHANNEL_RULES:

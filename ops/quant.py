@@ -1,4 +1,5 @@
-"""KIVI-style asymmetric min-max quantization at 1 or 2 bits (torch references).
+"""KIVI-style asymmetric min-max quantization at 1, 2 or 4 bits (torch references; the CUDA kernels of
+ops/quant_attention.py take 1 and 2 bits, the 4-bit key sketch of `--select sketch` runs these references).
 
 Keys are quantized per channel: groups of `group` tokens along time, one fp16 scale and min per
 (head, token-group, channel). Values are quantized per token: groups of `group` channels along head_dim,
@@ -33,8 +34,8 @@ from tailorkv.ops.dispatch import op
 
 
 def codes_per_word(bits: int) -> int:
-    if bits not in (1, 2):
-        raise ValueError(f"bits must be 1 or 2, got {bits}")
+    if bits not in (1, 2, 4):
+        raise ValueError(f"bits must be 1, 2 or 4, got {bits}")
     return 32 // bits
 
 

@@ -57,7 +57,7 @@ def test_pack_roundtrip(gen, bits, dim):
     assert torch.equal(unpack(words, bits, dim), codes)
 
 
-@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("bits", [1, 2, 4])
 def test_pack_is_lsb_first(bits):
     cpw = codes_per_word(bits)
     top = (1 << bits) - 1
@@ -70,7 +70,7 @@ def test_pack_is_lsb_first(bits):
 
 
 # --- quantize / dequantize --------------------------------------------------------------------------------
-@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("bits", [1, 2, 4])
 def test_key_quant_error_bound(gen, bits):
     B, H, T, D, G = 2, 3, 256, 64, 64
     k = rand(gen, B, H, T, D) * 3 + 1

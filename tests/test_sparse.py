@@ -302,7 +302,7 @@ def test_multi_token_after_prefill_equals_full(gen, small_flush, monkeypatch, hq
 
 
 # --- (i) --select sketch: a low-bit key sketch of the middle on the device ---------------------------------
-@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("bits", [1, 2, 4])
 def test_sketch_big_budget_equals_full(gen, bits):
     """A budget covering the context: the middle is taken whole, kept a whole number of 64-token groups long
     across prefill, a second turn and flushes, and every step equals full."""
@@ -319,13 +319,14 @@ def test_sketch_big_budget_equals_full(gen, bits):
         assert mid % 64 == 0 and sp.sketch.n == mid and len(sp.regions()["tail"]) < sp.cap
 
 
-def test_sketch_selects_the_top_of_its_dequantized_keys(gen):
+@pytest.mark.parametrize("bits", [2, 4])
+def test_sketch_selects_the_top_of_its_dequantized_keys(gen, bits):
     """The sketch's choice is the top-K of logsumexp over the group of q . dequant(sketch), built here from the
     true keys with the ops' quantizer."""
     from tailorkv.ops.quant import dequantize_keys, quantize_keys
     B, hq, hkv, D, P = 1, 6, 2, 32, 8 + 256 + 16
     spec = spec_of(hq, hkv, D, B, max_len=400)
-    st = settings(budget=8 + 20 + 16, sink=8, recent=16, select="sketch", sketch_bits=2)
+    st = settings(budget=8 + 20 + 16, sink=8, recent=16, select="sketch", sketch_bits=bits)
     sp = One(SparseOffloadCache(spec, st))
     q, K, V = qkv(gen, B, hq, hkv, P, D)
     sp.attend(q, K, V, 0)
@@ -340,7 +341,7 @@ def test_sketch_selects_the_top_of_its_dequantized_keys(gen):
     sp.selector = Spy()
     q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
     sp.attend(q1, k1, v1, P)
-    deq = dequantize_keys(*quantize_keys(K[:, :, lo:hi], 2, 64), 2, 64)
+    deq = dequantize_keys(*quantize_keys(K[:, :, lo:hi], bits, 64), bits, 64)
     logits = (q1.reshape(B, hkv, hq // hkv, D) @ deq.transpose(-1, -2)) / math.sqrt(D)   # [B, Hkv, G, 256]
     want = torch.logsumexp(logits, 2).topk(20, -1).indices + lo
     assert torch.equal(seen[0].sort(-1).values, want.sort(-1).values)
