@@ -8,7 +8,7 @@ import click
 
 from tailorkv import __version__
 from tailorkv.engine.options import (check_for_model, check_knob_use, method_options, model_defaults, model_options,
-                                     peek, settings_from)
+                                     peek, plan_memory, settings_from)
 from tailorkv.engine.ui import (OneLineErrors, UserError, cap_gpu_memory, check_ctx, friendly, load_with_progress,
                                 parse_ctx, pick_device, pick_dtype, read_text_file, set_threads, utf8_text)
 
@@ -67,12 +67,13 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
                              select_rule, channel_rule, own_query_below)
     ctx_len = parse_ctx(ctx) if ctx is not None else None
     dev = pick_device(device)
-    cap_gpu_memory(gpu_mem_limit, dev)
+    limit = cap_gpu_memory(gpu_mem_limit, dev)
     set_threads(threads)
     cfg, family = peek(model, weights, random_weights)
     ctx_len = check_ctx(ctx_len, cfg, model)
     settings = model_defaults(settings, family)
     check_for_model([settings], cfg, click.get_current_context())
+    settings = plan_memory(settings, cfg, family, ctx_len, limit, pick_dtype(dtype, dev), click.get_current_context())
 
     loaded = load_with_progress(model, weights, random_weights, dev, pick_dtype(dtype, dev))
     if loaded.tokenizer is None:

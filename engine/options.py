@@ -128,6 +128,24 @@ def check_for_model(settings_list, cfg, ctx: click.Context) -> None:
             raise UserError(str(e)) from None
 
 
+def plan_memory(settings, cfg, family: dict, ctx_len: int, limit: int | None, dtype, ctx: click.Context,
+                batch: int = 1):
+    """tailorkv with --select sketch under --gpu-mem-limit: the sketch's bits from the memory plan (engine/
+    memory_plan.py), or the user's --sketch-bits checked against it; the plan's line goes to stderr."""
+    import torch
+    from tailorkv.engine import ui
+    from tailorkv.engine.memory_plan import plan_settings
+    chosen = "sketch_bits" in given_knobs(ctx)
+    size = torch.empty((), dtype=dtype).element_size()
+    try:
+        settings, line = plan_settings(settings, cfg, family, ctx_len, limit, size, chosen, batch)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if line:
+        ui.err.print(f"[dim]{line}[/]" if "expect" not in line else f"[yellow]{line}[/]", highlight=False)
+    return settings
+
+
 def peek(model: str, weights, random_weights: bool):
     """(the model's hyper-parameters, its configs/NAME.json entry or {}) before loading it (LoadError -> one
     line)."""

@@ -1,0 +1,135 @@
+"""What a run needs of the device's memory, and the key sketch's precision that fits a --gpu-mem-limit.
+
+The estimate is the prefill's peak (the largest moment of a run: measured on the H200 for Llama-3.1-8B at 128k,
+tailorkv, 18.9 GiB; this model says 18.9): the weights, the prompt's activations while a layer attends (the
+residual stream, the stacked q/k/v projection and the attention output for every token, plus one MLP chunk's
+temporaries), and what the caches keep on the device: layer 0's packed codes, the sparse layers' sink and tail
+slots, the scheduler's K^T-row and score buffers and, with `--select sketch`, the sketch.
+
+The top-K budget costs no device memory here (the chosen rows are read from pinned host memory in place), so the
+planner chooses only the sketch's bits: the most, among those with a CUDA scoring kernel, that fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tailorkv.engine.settings import MethodSettings
+
+PLANNED_SKETCH_BITS = (2, 1)  # 4 bits only when asked for: its scoring runs the torch path
+GIB = 2 ** 30
+
+
+def weight_bytes(cfg, dtype_bytes: int) -> int:
+    hd = cfg.head_dim
+    per_layer = (cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * cfg.dim
+                 + 3 * cfg.dim * cfg.hidden_dim + 2 * cfg.dim)
+    tables = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+    return dtype_bytes * (cfg.n_layers * per_layer + tables + cfg.dim)
+
+
+def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> int:
+    from tailorkv.models.llama import MLP_CHUNK
+    per_token = cfg.dim + (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim
+    mlp = min(tokens, MLP_CHUNK) * 3 * cfg.hidden_dim
+    return dtype_bytes * batch * (tokens * per_token + mlp) + 4 * batch * cfg.vocab_size
+
+
+def sketch_bytes(cfg, ctx: int, sink: int, bits: int, group: int, batch: int) -> int:
+    """One sparse layer's KeySketch: codes (bits per key element) and an fp16 scale and min per group and channel."""
+    n = (ctx - sink) // group * group
+    return batch * cfg.n_kv_heads * cfg.head_dim * (n * bits // 8 + 4 * (n // group))
+
+
+def quant_layer_bytes(cfg, ctx: int, bits: int, group: int, batch: int, dtype_bytes: int) -> int:
+    """A 1/2-bit layer: packed K and V, K's scale and min per group and channel, V's per token and channel group,
+    a ring of exact recent values."""
+    hd, vg = cfg.head_dim, min(group, cfg.head_dim)
+    codes = 2 * ctx * hd * bits // 8
+    scales = 4 * (ctx // group) * hd + 4 * ctx * (hd // vg)
+    return batch * cfg.n_kv_heads * (codes + scales + 2 * group * hd * dtype_bytes)
+
+
+def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtype_bytes: int) -> int:
+    """A sparse layer's sink and tail slots and max|K|, and its share of the scheduler's buffers (two sets
+    alternating by layer, each for the largest middle: K^T rows of r channels, fp32 scores)."""
+    from tailorkv.engine.policies.sparse import FLUSH
+    hd, kv = cfg.head_dim, cfg.n_kv_heads
+    slots = 2 * (settings.sink + settings.recent + FLUSH) * hd * dtype_bytes + 8 * hd
+    most = max(0, ctx - settings.sink)
+    buffers = most * (min(settings.channels, hd) * dtype_bytes + 4)
+    return batch * kv * slots + 2 * batch * kv * buffers // max(1, cfg.n_layers)
+
+
+@dataclass
+class Estimate:
+    weights: int
+    activations: int
+    sketch: int
+    other: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activations + self.sketch + self.other
+
+    def describe(self) -> str:
+        return (f"{self.total / GIB:.1f} GiB (weights {self.weights / GIB:.1f}, prefill activations "
+                f"{self.activations / GIB:.1f}, sketch {self.sketch / GIB:.2f}, caches {self.other / GIB:.2f})")
+
+
+def estimate(cfg, settings: MethodSettings, layer_names: list[str], ctx: int, batch: int = 1,
+             dtype_bytes: int = 2) -> Estimate:
+    """The prefill's device peak of a tailorkv run at context ctx (the other methods are not modelled)."""
+    sparse = layer_names.count("sparse")
+    sketch = sparse * sketch_bytes(cfg, ctx, settings.sink, settings.sketch_bits, settings.group, batch) \
+        if settings.select == "sketch" else 0
+    other = (layer_names.count("quant") * quant_layer_bytes(cfg, ctx, settings.bits or 1, settings.group, batch,
+                                                            dtype_bytes)
+             + layer_names.count("full") * 2 * batch * cfg.n_kv_heads * ctx * cfg.head_dim * dtype_bytes
+             + sparse * sparse_layer_bytes(cfg, settings, ctx, batch, dtype_bytes))
+    return Estimate(weight_bytes(cfg, dtype_bytes), prefill_activation_bytes(cfg, ctx, batch, dtype_bytes),
+                    sketch, other)
+
+
+@dataclass
+class SketchPlan:
+    bits: int
+    estimate: Estimate
+    fits: bool
+    message: str
+
+
+def plan_sketch_bits(cfg, settings: MethodSettings, layer_names: list[str], ctx: int, limit: int,
+                     batch: int = 1, dtype_bytes: int = 2, chosen: bool = False) -> SketchPlan:
+    """The sketch's bits under a device memory limit: settings.sketch_bits when chosen by the user (checked),
+    else the most of PLANNED_SKETCH_BITS whose estimate fits (the fewest when none does)."""
+    def at(bits):
+        return estimate(cfg, replace(settings, sketch_bits=bits), layer_names, ctx, batch, dtype_bytes)
+    cap = f"{limit / GIB:.1f} GiB"
+    if chosen:
+        est = at(settings.sketch_bits)
+        fits = est.total <= limit
+        verdict = "fits" if fits else "does not fit: expect running out of memory (fewer --sketch-bits, or --select channels)"
+        return SketchPlan(settings.sketch_bits, est, fits,
+                          f"memory plan: --sketch-bits {settings.sketch_bits} needs ~{est.describe()}, {verdict} in {cap}")
+    for bits in PLANNED_SKETCH_BITS:
+        est = at(bits)
+        if est.total <= limit:
+            return SketchPlan(bits, est, True, f"memory plan: --sketch-bits {bits} chosen for {cap}: ~{est.describe()}")
+    bits = PLANNED_SKETCH_BITS[-1]
+    est = at(bits)
+    return SketchPlan(bits, est, False, f"memory plan: even --sketch-bits {bits} needs ~{est.describe()}, more "
+                                        f"than {cap}: expect running out of memory (--select channels needs "
+                                        f"{(est.total - est.sketch) / GIB:.1f} GiB)")
+
+
+def plan_settings(settings: MethodSettings, cfg, family: dict, ctx: int, limit: int | None, dtype_bytes: int,
+                  chosen: bool, batch: int = 1) -> tuple[MethodSettings, str | None]:
+    """For `run` and `bench`: tailorkv with --select sketch under a --gpu-mem-limit gets the plan's bits (unless
+    the user chose them: then they are checked); -> (settings, the line that says what was chosen) or
+    (settings, None) when there is nothing to plan."""
+    if settings.method != "tailorkv" or settings.select != "sketch" or not limit:
+        return settings, None
+    from tailorkv.engine.methods import layer_policies
+    names = layer_policies(settings, cfg.n_layers, family)
+    plan = plan_sketch_bits(cfg, settings, names, ctx, limit, batch, dtype_bytes, chosen)
+    return replace(settings, sketch_bits=plan.bits), plan.message

@@ -1,0 +1,47 @@
+"""The memory planner's estimate against the H200 measurement, and its choice of the sketch's bits."""
+from dataclasses import replace
+
+from tailorkv.engine.memory_plan import GIB, estimate, plan_settings, plan_sketch_bits, sketch_bytes
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.config import ModelConfig
+
+LLAMA8B = ModelConfig(name="llama", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                      vocab_size=128256, max_context=131072)
+NAMES = ["quant"] + ["sparse"] * 31
+TKV = MethodSettings(method="tailorkv", bits=1)
+
+
+def test_estimate_matches_the_measured_peak_at_128k():
+    # bench/results/2026-11-30-h200-sixth-session: tailorkv, 131036 prompt tokens, peak 18.9 GiB with prefill
+    e = estimate(LLAMA8B, TKV, NAMES, 131036)
+    assert abs(e.total / GIB - 18.9) < 0.3 and e.sketch == 0
+    assert abs(e.weights / 1e9 - 16.06) < 0.01          # 8.03e9 parameters in bf16
+
+
+def test_sketch_bytes_are_the_key_sketch_buffers():
+    import torch
+    from tailorkv.engine.cache import LayerSpec
+    from tailorkv.engine.policies.sketch import KeySketch
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=100)
+    for bits in (1, 2, 4):
+        spec = LayerSpec(1, 4, 2, cfg.head_dim, 1000, 2, torch.float32, torch.device("cpu"))
+        assert sketch_bytes(cfg, 1000, 8, bits, 64, 2) == KeySketch(spec, bits, 64, 1000 - 8).device_bytes()
+
+
+def test_plan_takes_the_most_bits_that_fit():
+    sk = replace(TKV, select="sketch")
+    assert plan_sketch_bits(LLAMA8B, sk, NAMES, 131072, 24 * GIB).bits == 2
+    p = plan_sketch_bits(LLAMA8B, sk, NAMES, 131072, 20 * GIB)
+    assert p.bits == 1 and p.fits and "--sketch-bits 1 chosen" in p.message
+    p = plan_sketch_bits(LLAMA8B, sk, NAMES, 131072, int(19.5 * GIB))
+    assert not p.fits and "--select channels needs 18.9 GiB" in p.message
+    p = plan_sketch_bits(LLAMA8B, replace(sk, sketch_bits=4), NAMES, 131072, 20 * GIB, chosen=True)
+    assert p.bits == 4 and not p.fits and "does not fit" in p.message
+
+
+def test_only_tailorkv_with_a_sketch_and_a_limit_is_planned():
+    family = {"quant_layers": [0]}
+    for s, limit in ((TKV, 24 * GIB), (replace(TKV, select="sketch"), None), (MethodSettings(method="full"), GIB)):
+        assert plan_settings(s, LLAMA8B, family, 131072, limit, 2, chosen=False) == (s, None)
+    s, line = plan_settings(replace(TKV, select="sketch", sketch_bits=4), LLAMA8B, family, 131072, 20 * GIB, 2, False)
+    assert s.sketch_bits == 1 and line.startswith("memory plan: --sketch-bits 1")
