@@ -36,7 +36,7 @@ def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> 
 
 def sketch_bytes(cfg, ctx: int, sink: int, bits: int, group: int, batch: int) -> int:
     """One sparse layer's KeySketch: codes (bits per key element) and an fp16 scale and min per group and channel."""
-    n = (ctx - sink) // group * group
+    n = -(-(ctx - sink) // group) * group
     return batch * cfg.n_kv_heads * cfg.head_dim * (n * bits // 8 + 4 * (n // group))
 
 

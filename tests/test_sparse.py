@@ -304,8 +304,8 @@ def test_multi_token_after_prefill_equals_full(gen, small_flush, monkeypatch, hq
 # --- (i) --select sketch: a low-bit key sketch of the middle on the device ---------------------------------
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_sketch_big_budget_equals_full(gen, bits):
-    """A budget covering the context: the middle is taken whole, kept a whole number of 64-token groups long
-    across prefill, a second turn and flushes, and every step equals full."""
+    """A budget covering the context: the middle is taken whole and sketched whole (partial groups too) across
+    prefill, a second turn and flushes, and every step equals full."""
     B, hq, hkv, D = 1, 4, 2, 32
     spec = spec_of(hq, hkv, D, B, max_len=600)
     st = settings(budget=600, sink=8, recent=16, select="sketch", sketch_bits=bits)
@@ -316,7 +316,7 @@ def test_sketch_big_budget_equals_full(gen, bits):
         assert rel_err(sp.attend(q, k, v, pos), full.attend(q, k, v, pos)) < 1e-5
         pos += T
         mid = len(sp.regions()["middle"])
-        assert mid % 64 == 0 and sp.sketch.n == mid and len(sp.regions()["tail"]) < sp.cap
+        assert sp.sketch.n == mid and len(sp.regions()["tail"]) < sp.cap
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -347,18 +347,20 @@ def test_sketch_selects_the_top_of_its_dequantized_keys(gen, bits):
     assert torch.equal(seen[0].sort(-1).values, want.sort(-1).values)
 
 
-def test_sketch_counts_its_extra_tail_tokens_against_the_top_k(gen):
-    """A prompt whose middle is not whole 64-token groups: the remainder stays exact in the tail, and as many
-    of the top-K (the lowest-scored) are dropped, so the layer attends as many tokens as the channels path."""
-    B, hq, hkv, D, P = 1, 6, 2, 32, 8 + 256 + 16 + 20
+def test_sketch_takes_a_partial_last_group(gen):
+    """A prompt whose middle is not whole 64-token groups: the tail keeps exactly `recent` tokens (as on the
+    paper's path), the partial group is quantized over its own tokens, and again whole once decode steps fill it;
+    the selection is the top-K of the dequantized sketch, as the same quantizer gives it."""
+    from tailorkv.ops.quant import dequantize_keys, quantize_keys
+    B, hq, hkv, D, P = 1, 6, 2, 32, 8 + 256 + 20 + 16
     spec = spec_of(hq, hkv, D, B, max_len=600)
     kw = dict(budget=8 + 40 + 16, sink=8, recent=16)
     sp, ch = One(SparseOffloadCache(spec, settings(**kw, select="sketch", sketch_bits=2))), \
         One(SparseOffloadCache(spec, settings(**kw)))
     q, K, V = qkv(gen, B, hq, hkv, P, D)
     sp.attend(q, K, V, 0), ch.attend(q, K, V, 0)
-    assert len(sp.regions()["tail"]) == 16 + 20 and sp.extra == 20 and int(sp.extra_dev) == 20
-    assert len(ch.regions()["tail"]) == 16 and ch.extra == 0
+    assert sp.regions() == ch.regions() and len(sp.regions()["middle"]) == 276 == sp.sketch.n
+    assert sp.sketch.pending.shape[2] == 20
     seen = []
 
     class Spy(type(sp.selector)):
@@ -366,18 +368,25 @@ def test_sketch_counts_its_extra_tail_tokens_against_the_top_k(gen):
             seen.append(super().select(layer, q1))
             return seen[-1]
     sp.selector = Spy()
+
+    def want(keys, q1, k):
+        x = torch.cat([keys, keys[:, :, -1:].expand(-1, -1, -keys.shape[2] % 64, -1)], 2)
+        deq = dequantize_keys(*quantize_keys(x, 2, 64), 2, 64)[:, :, :keys.shape[2]]
+        logits = (q1.reshape(B, hkv, hq // hkv, D) @ deq.transpose(-1, -2)) / math.sqrt(D)
+        return torch.logsumexp(logits, 2).topk(k, -1).indices + 8
+
     q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
     sp.attend(q1, k1, v1, P), ch.attend(q1, k1, v1, P)
-    picked = seen[0]
-    kept = picked[picked >= 0].reshape(B, hkv, -1)
-    assert picked.shape[-1] == 40 and kept.shape[-1] == 20
-    # the kept ones are the top 20 of the sketch's scores: its top-20 selection equals them
+    assert torch.equal(seen[0].sort(-1).values, want(K[:, :, 8:284], q1, 40).sort(-1).values)
     assert sp.stats()["tokens_attended"] == ch.stats()["tokens_attended"]
-    sp.topk, sp.extra_dev = 20, torch.zeros((), dtype=torch.long)
-    again = sp.selector.select(sp, q1)
-    assert torch.equal(kept.sort(-1).values, again.sort(-1).values)
-    sp.topk, sp.selector = 40, type(sp.selector)()
-    for p in range(P + 1, P + 112):  # the tail reaches recent + FLUSH: two groups move, past the prompt's end
+    keys = [K[:, :, 8:P], k1]
+    for p in range(P + 1, P + 130):  # the tail reaches recent + FLUSH: its oldest tokens fill the partial group
         q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
         sp.attend(q1, k1, v1, p)
-    assert sp.regions()["tail"].start > P - 16 and sp.extra == 0 and int(sp.extra_dev) == 0
+        keys.append(k1)
+    mid = sp.regions()["middle"]
+    assert mid.stop > 8 + 320 and sp.sketch.n == len(mid) and sp.sketch.pending.shape[2] == len(mid) % 64
+    allk = torch.cat(keys, 2)[:, :, :len(mid)]
+    q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
+    sp.attend(q1, k1, v1, P + 130)
+    assert torch.equal(seen[-1].sort(-1).values, want(allk, q1, 40).sort(-1).values)

@@ -59,10 +59,9 @@ class SparseOffloadCache(LayerCache):
         if spec.layer_idx in (settings.own_query_layers or []):  # its one-layer-early prediction is poor
             self.wants_query_prediction = False
         self.select_rule, self.channel_rule = settings.select_rule, settings.channel_rule  # what selector applies
-        self.sketch, self.align = None, 1  # align: the middle grows by whole multiples of it
+        self.sketch = None
         if settings.select == "sketch":
             self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink)
-            self.align = settings.group
             self.selector = SketchSelector(settings.combine_rule)
         else:
             self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
@@ -80,15 +79,12 @@ class SparseOffloadCache(LayerCache):
         self.kmax = torch.zeros(B, H, D, dtype=torch.float32, device=spec.device)
         self.kmax_next = torch.zeros_like(self.kmax)
         self.tail_start_dev = torch.zeros((), dtype=torch.long, device=spec.device)
-        # prompt tokens the tail holds beyond `recent` (the sketch's middle is whole groups long): they count
-        # against the top-K, so every selection rule attends the same number of tokens
-        self.extra_dev = torch.zeros((), dtype=torch.long, device=spec.device)
         self.reset()
 
     # --- bookkeeping ------------------------------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
-        self.held, self.prompt_end = 0, 0  # prompt_end: where the last multi-token step ended
+        self.held = 0
         self._set_tail_start(self.sink)  # always >= sink; the middle is [sink, tail_start)
         self.kmax.zero_()
         self.kmax_next.zero_()
@@ -101,8 +97,6 @@ class SparseOffloadCache(LayerCache):
     def _set_tail_start(self, pos: int) -> None:
         self.tail_start = pos
         self.tail_start_dev.fill_(pos)
-        self.extra = max(0, self.prompt_end - pos - self.recent)
-        self.extra_dev.fill_(self.extra)
 
     def regions(self) -> dict[str, range]:
         return {"sink": range(0, min(self.sink, self.held)),
@@ -177,24 +171,27 @@ class SparseOffloadCache(LayerCache):
                          "tokens_attended": self.held + step.n}
             return None
         self.middle_whole = 0 < mid <= self.topk
-        most = self.spec.max_len - self.sink if self.sketch is None else self.sketch.capacity
-        self.middle_bucket = min(fine_bucket(mid), most) if mid > self.topk else 0
+        self.middle_bucket = min(fine_bucket(mid), self._most_middle()) if mid > self.topk else 0
         self._plan_buffers()
-        fetched = min(mid, self.topk) - (self.extra if mid > self.topk else 0)
+        fetched = min(mid, self.topk)
         kt_rows = 0 if self.sketch is not None else self.r * self.middle_bucket
         kt_bytes = self.spec.batch * self.spec.n_kv_heads * kt_rows * self.host_k.element_size()
         self.prefetch_after_attention = kt_bytes <= LATE_PREFETCH_BYTES
-        gathered = fetched if mid > 0 else 0
+        gathered = self.topk if mid > 0 else 0
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
         self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
                      "middle_tokens": mid, "tokens_attended": on_device + fetched}
         return ("whole" if self.middle_whole else "none" if mid <= 0 else "select", self.middle_bucket)
 
+    def _most_middle(self) -> int:
+        """The largest middle bucket: the whole middle, or the sketch's whole groups covering it."""
+        return self.spec.max_len - self.sink if self.sketch is None else self.sketch.capacity
+
     def _plan_buffers(self) -> None:
         """Views of the scheduler's buffers (its set for this layer's parity) that this decode step fills.
         The first request allocates each at the size the largest middle needs."""
         s, n = self.spec, self.middle_bucket
-        B, H, most = s.batch, s.n_kv_heads, s.max_len - self.sink
+        B, H, most = s.batch, s.n_kv_heads, self._most_middle()
         shapes = {"kt_rows": ((B, H, self.r, n), (B * H * self.r * most,), s.dtype),
                   "scores": ((B, H, n), (B * H * most,), torch.float32),
                   "channels": ((B, H, self.r), (B * H * self.r,), torch.long)}
@@ -213,7 +210,6 @@ class SparseOffloadCache(LayerCache):
         if step.decode:
             return self._decode(q, k, v, prefetched, step.positions)
         out = self._attend_many(q, k, v, step.start)
-        self.prompt_end = step.end
         self._store(k, v)
         self.held = step.end
         return out
@@ -223,7 +219,7 @@ class SparseOffloadCache(LayerCache):
             self.kmax.copy_(self.kmax_next)
             self.held += 1
             if self._tail_len() >= self.cap:
-                self._flush((self._tail_len() - self.recent) // self.align * self.align)
+                self._flush(self._tail_len() - self.recent)
         self.scheduler.join()  # the next step reads the host store: after its writes
 
     def _attend_many(self, q, k, v, start):
@@ -267,7 +263,7 @@ class SparseOffloadCache(LayerCache):
             return
         tl = start + ns - self.tail_start  # tail tokens held before these
         n = tl + t
-        m = max(0, n - self.recent) // self.align * self.align  # oldest tokens of (tail + new) that move to the host
+        m = max(0, n - self.recent)  # oldest tokens of (tail + new) that move to the host
         if m == 0:
             self.dev_k[:, :, S + tl:S + n] = k
             self.dev_v[:, :, S + tl:S + n] = v
