@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from sdpa_backends import time_ms  # bench/, the script's folder, leads sys.path
 from tailorkv.engine.results import environment, write_json
 
 
@@ -44,20 +44,6 @@ def split_causal(q, k, v, block: int, gqa_native: bool):
             out[:, :, i:i + block] = o.to(q.dtype)
             lse[:, :, i:i + block] = m + torch.log(s)
     return out
-
-
-def time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():
