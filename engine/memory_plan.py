@@ -20,11 +20,8 @@ GIB = 2 ** 30
 
 
 def weight_bytes(cfg, dtype_bytes: int) -> int:
-    hd = cfg.head_dim
-    per_layer = (cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * cfg.dim
-                 + 3 * cfg.dim * cfg.hidden_dim + 2 * cfg.dim)
-    tables = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
-    return dtype_bytes * (cfg.n_layers * per_layer + tables + cfg.dim)
+    """The projections, the embedding tables and the norms (two per layer, one at the end)."""
+    return dtype_bytes * (cfg.n_layers * (cfg.layer_matmul_params + 2 * cfg.dim) + cfg.embedding_params + cfg.dim)
 
 
 def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> int:

@@ -32,6 +32,16 @@ class ModelConfig:
     def group(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's projections: q, k, v, o, gate, up and down."""
+        return self.dim * self.head_dim * 2 * (self.n_heads + self.n_kv_heads) + 3 * self.dim * self.hidden_dim
+
+    @property
+    def embedding_params(self) -> int:
+        """The embedding table, and the output projection unless it is tied to it."""
+        return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
 

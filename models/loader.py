@@ -167,8 +167,7 @@ def _skeleton(cfg: ModelConfig) -> Llama:
     the meta device, so that nothing is allocated."""
     skipped = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
     saved = {name: getattr(nn.init, name) for name in skipped}
-    per_layer = cfg.dim * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads) + 3 * cfg.dim * cfg.hidden_dim
-    n_bytes = 4 * (cfg.n_layers * per_layer + cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2))
+    n_bytes = 4 * (cfg.n_layers * cfg.layer_matmul_params + cfg.embedding_params)
     try:
         for name in skipped:
             setattr(nn.init, name, lambda t, *a, **kw: t)

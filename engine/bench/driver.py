@@ -264,8 +264,7 @@ def prefill_flops(cfg, n: int, batch: int = 1) -> dict:
     """Matmul flops of prefilling n tokens from an empty cache (exact causal attention, logits of the last token):
     dense = 2 x tokens x the projection weights; attention = q.K^T and P.V over the causal triangle."""
     hd, layers = cfg.head_dim, cfg.n_layers
-    per_layer = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * cfg.dim + 3 * cfg.dim * cfg.hidden_dim
-    dense = 2.0 * batch * (n * layers * per_layer + cfg.dim * cfg.vocab_size)
+    dense = 2.0 * batch * (n * layers * cfg.layer_matmul_params + cfg.dim * cfg.vocab_size)
     attention = 2.0 * 2.0 * batch * layers * cfg.n_heads * hd * n * (n + 1) / 2
     return {"dense (gemm/gemv)": dense, "attention": attention}
 
