@@ -32,9 +32,9 @@ def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> 
 
 
 def sketch_bytes(cfg, ctx: int, sink: int, bits: int, group: int, batch: int) -> int:
-    """One sparse layer's KeySketch: codes (bits per key element) and an fp16 scale and min per group and channel."""
-    n = -(-(ctx - sink) // group) * group
-    return batch * cfg.n_kv_heads * cfg.head_dim * (n * bits // 8 + 4 * (n // group))
+    """One sparse layer's KeySketch (its middle: the context less the sink)."""
+    from tailorkv.engine.policies.sketch import KeySketch
+    return KeySketch.bytes_for(batch, cfg.n_kv_heads, cfg.head_dim, ctx - sink, bits, group)
 
 
 def quant_layer_bytes(cfg, ctx: int, bits: int, group: int, batch: int, dtype_bytes: int) -> int:

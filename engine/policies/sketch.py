@@ -12,6 +12,8 @@ before the layer's own query exists.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tailorkv.engine.policies.selection import TokenSelector
@@ -24,15 +26,25 @@ from tailorkv.ops.sparse_select import combine_heads, topk_tokens
 class KeySketch:
     def __init__(self, spec, bits: int, group: int, capacity: int):
         self.bits, self.group = bits, group
-        cpw = codes_per_word(bits)
-        n = -(-capacity // group) * group  # whole groups covering the capacity
-        B, H, D, dev = spec.batch, spec.n_kv_heads, spec.head_dim, spec.device
-        self.codes = torch.zeros(B, H, n // cpw, D, dtype=torch.int32, device=dev)
-        self.scale = torch.zeros(B, H, n // group, D, dtype=torch.float16, device=dev)
+        n, codes, scales = self.shapes(spec.batch, spec.n_kv_heads, spec.head_dim, capacity, bits, group)
+        self.codes = torch.zeros(codes, dtype=torch.int32, device=spec.device)
+        self.scale = torch.zeros(scales, dtype=torch.float16, device=spec.device)
         self.min = torch.zeros_like(self.scale)
         self.capacity = n
         self.n = 0            # tokens sketched
         self.pending = None   # the exact keys of the last group while it is partial
+
+    @staticmethod
+    def shapes(batch: int, heads: int, head_dim: int, capacity: int, bits: int, group: int):
+        """(positions held: the whole groups covering capacity, the codes' shape, the scales' and mins' shape)."""
+        n = -(-capacity // group) * group
+        return n, (batch, heads, n // codes_per_word(bits), head_dim), (batch, heads, n // group, head_dim)
+
+    @classmethod
+    def bytes_for(cls, batch: int, heads: int, head_dim: int, capacity: int, bits: int, group: int) -> int:
+        """Device bytes of a sketch of that size (int32 codes, fp16 scales and mins)."""
+        _, codes, scales = cls.shapes(batch, heads, head_dim, capacity, bits, group)
+        return 4 * math.prod(codes) + 2 * 2 * math.prod(scales)
 
     def reset(self) -> None:
         self.n, self.pending = 0, None
