@@ -120,13 +120,13 @@ def plan_sketch_bits(cfg, settings: MethodSettings, layer_names: list[str], ctx:
 
 
 def plan_settings(settings: MethodSettings, cfg, family: dict, ctx: int, limit: int | None, dtype_bytes: int,
-                  chosen: bool, batch: int = 1) -> tuple[MethodSettings, str | None]:
+                  chosen: bool, batch: int = 1) -> tuple[MethodSettings, SketchPlan | None]:
     """For `run` and `bench`: tailorkv with --select sketch under a --gpu-mem-limit gets the plan's bits (unless
-    the user chose them: then they are checked); -> (settings, the line that says what was chosen) or
+    the user chose them: then they are checked); -> (settings, the plan, whose message says what was chosen) or
     (settings, None) when there is nothing to plan."""
     if settings.method != "tailorkv" or settings.select != "sketch" or not limit:
         return settings, None
     from tailorkv.engine.methods import layer_policies
     names = layer_policies(settings, cfg.n_layers, family)
     plan = plan_sketch_bits(cfg, settings, names, ctx, limit, batch, dtype_bytes, chosen)
-    return replace(settings, sketch_bits=plan.bits), plan.message
+    return replace(settings, sketch_bits=plan.bits), plan

@@ -138,11 +138,11 @@ def plan_memory(settings, cfg, family: dict, ctx_len: int, limit: int | None, dt
     chosen = "sketch_bits" in given_knobs(ctx)
     size = torch.empty((), dtype=dtype).element_size()
     try:
-        settings, line = plan_settings(settings, cfg, family, ctx_len, limit, size, chosen, batch)
+        settings, plan = plan_settings(settings, cfg, family, ctx_len, limit, size, chosen, batch)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if line:
-        ui.err.print(f"[dim]{line}[/]" if "expect" not in line else f"[yellow]{line}[/]", highlight=False)
+    if plan is not None:
+        ui.err.print(plan.message, style="dim" if plan.fits else "yellow", markup=False, highlight=False)
     return settings
 
 

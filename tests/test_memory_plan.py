@@ -43,5 +43,5 @@ def test_only_tailorkv_with_a_sketch_and_a_limit_is_planned():
     family = {"quant_layers": [0]}
     for s, limit in ((TKV, 24 * GIB), (replace(TKV, select="sketch"), None), (MethodSettings(method="full"), GIB)):
         assert plan_settings(s, LLAMA8B, family, 131072, limit, 2, chosen=False) == (s, None)
-    s, line = plan_settings(replace(TKV, select="sketch", sketch_bits=4), LLAMA8B, family, 131072, 20 * GIB, 2, False)
-    assert s.sketch_bits == 1 and line.startswith("memory plan: --sketch-bits 1")
+    s, plan = plan_settings(replace(TKV, select="sketch", sketch_bits=4), LLAMA8B, family, 131072, 20 * GIB, 2, False)
+    assert s.sketch_bits == 1 and plan.message.startswith("memory plan: --sketch-bits 1")
