@@ -215,11 +215,11 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     cfg, family = options.peek(model, weights, random_weights)
     settings = {m: options.model_defaults(s, family) for m, s in settings.items()}
     options.check_for_model(settings.values(), cfg, click.get_current_context())
+    ctx_list = ctx_list or default_ctxs(cfg.max_context)
     if limit and dev.type == "cuda" and "tailorkv" in settings:  # the sketch's bits at the sweep's largest context
-        settings["tailorkv"] = options.plan_memory(settings["tailorkv"], cfg, family,
-                                                   max(ctx_list or default_ctxs(cfg.max_context)), limit,
+        settings["tailorkv"] = options.plan_memory(settings["tailorkv"], cfg, family, max(ctx_list), limit,
                                                    ui.pick_dtype(dtype, dev), click.get_current_context(), batch)
-    plan = B.BenchPlan(ctxs=ctx_list or default_ctxs(cfg.max_context), methods=names, settings=settings,
+    plan = B.BenchPlan(ctxs=ctx_list, methods=names, settings=settings,
                        decode_steps=decode_steps, warmup=warmup, batch=batch, seed=seed,
                        hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps,
                        profile_prefill=profile_prefill)
