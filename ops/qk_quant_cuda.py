@@ -10,6 +10,11 @@ Tensor cores do the arithmetic (mma m16n8k16, fp16 in, fp32 accumulate), one war
 Each KV head's packed data is read once for its whole query group. Groups are staged global -> shared with
 cp.async, three deep per warp. The MMA's k index runs over channels in the order 16*kt + 4*c + (0, 1, 2, 3) for
 k = (2c, 2c+1, 2c+8, 2c+9), so that every lane reads 4 adjacent channels (any order works if A and B agree).
+4-bit codes (the key sketch of `--select sketch`) take four bit planes, weighted 1, 2, 4, 8, two stages deep.
+
+`sketch_scores` is the same kernel with another epilogue: the G logits of each token (its query group, spread
+over the lanes of a quad column) are combined in registers, summed or by logsumexp, masked past a device-side
+end, and written once per KV head: no [Hq, T] logits in memory.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ _SOURCE = r"""
 #define D {d}
 #define S {s}
 #define MT {mt}
+#define RULE {rule}                // 0: one logit per query head; 1: their sum per KV head; 2: their logsumexp
 typedef {qt} qtype;
 #define CPW (32 / BITS)
 #define KT (D / 16)
@@ -48,13 +54,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
         const __half* __restrict__ scale, const long long ssb, const long long ssh,
         const __half* __restrict__ mins, const long long msb, const long long msh,
         float* __restrict__ out, const int Hkv, const int G, const int nrows, const int ngroups,
-        const int groups_per_block, const float sm_scale) {{
+        const int groups_per_block, const float sm_scale, const long long* __restrict__ end,
+        const long long offset) {{
     __shared__ float qs[MT * 16][D];
     __shared__ __align__(16) unsigned stage[WARPS][STAGES][STAGE_WORDS];
     __shared__ float red[WARPS];
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long T = (long long)nrows * CPW;
+    const long long endv = RULE ? *end : 0;
 
     float amax = 0.f;
     for (int i = threadIdx.x; i < MT * 16 * D; i += blockDim.x) {{
@@ -138,7 +146,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
             #pragma unroll
             for (int j = 0; j < 4; ++j) {{
                 acc[mt][t][0][j] = bias[mt][j];
-                if (BITS == 2) acc[mt][t][BITS - 1][j] = 0.f;
+                #pragma unroll
+                for (int p = 1; p < BITS; ++p) acc[mt][t][p][j] = 0.f;
             }}
             #pragma unroll
             for (int kt = 0; kt < KT; ++kt) {{
@@ -163,38 +172,87 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
             }}
             const long long tok0 = (long long)(grp * ROWS + rr) * CPW;
             #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-            #pragma unroll
             for (int t = 0; t < NT; ++t) {{
-                float v[4];
+                float v[MT][4];
                 #pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    v[j] = (acc[mt][t][0][j] + (BITS == 2 ? 2.f * acc[mt][t][BITS - 1][j] : 0.f)) * mult;
-                const int h0 = mt * 16 + g, h1 = h0 + 8;
+                for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {{
+                    float x = acc[mt][t][0][j];
+                    #pragma unroll
+                    for (int p = 1; p < BITS; ++p) x += (float)(1 << p) * acc[mt][t][p][j];
+                    v[mt][j] = x * mult;
+                }}
                 const long long tok = tok0 + 8 * t + 2 * c;
-                if (h0 < G) *reinterpret_cast<float2*>(out + ((long long)bh * G + h0) * T + tok) = make_float2(v[0], v[1]);
-                if (h1 < G) *reinterpret_cast<float2*>(out + ((long long)bh * G + h1) * T + tok) = make_float2(v[2], v[3]);
+#if RULE == 0
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {{
+                    const int h0 = mt * 16 + g, h1 = h0 + 8;
+                    if (h0 < G) *reinterpret_cast<float2*>(out + ((long long)bh * G + h0) * T + tok) = make_float2(v[mt][0], v[mt][1]);
+                    if (h1 < G) *reinterpret_cast<float2*>(out + ((long long)bh * G + h1) * T + tok) = make_float2(v[mt][2], v[mt][3]);
+                }}
+#else
+                float r[2];
+                #pragma unroll
+                for (int jj = 0; jj < 2; ++jj) {{  // token tok + jj: rows h0 (v[.][jj]) and h1 (v[.][2 + jj])
+                    float m = -INFINITY, sum = 0.f;
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                    #pragma unroll
+                    for (int half = 0; half < 2; ++half)
+                        if (mt * 16 + half * 8 + g < G) {{
+                            const float x = v[mt][2 * half + jj];
+                            if (RULE == 1) sum += x; else m = fmaxf(m, x);
+                        }}
+                    if (RULE == 2) {{
+                        #pragma unroll
+                        for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                        #pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                        #pragma unroll
+                        for (int half = 0; half < 2; ++half)
+                            if (mt * 16 + half * 8 + g < G) sum += expf(v[mt][2 * half + jj] - m);
+                    }}
+                    #pragma unroll
+                    for (int o = 4; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                    r[jj] = RULE == 2 ? m + logf(sum) : sum;
+                    if (offset + tok + jj >= endv) r[jj] = -INFINITY;
+                }}
+                if (g == 0) *reinterpret_cast<float2*>(out + (long long)bh * T + tok) = make_float2(r[0], r[1]);
+#endif
             }}
-        }}
         __syncwarp();
     }}
 }}
 """
 
 
-def source(bits: int, d: int, s: int, mt: int, qdtype: torch.dtype) -> str:
+SMEM_LIMIT = 48 * 1024  # static shared memory of a block
+
+
+def stages(bits: int) -> int:
+    return STAGES if bits < 4 else 2  # 4-bit groups are twice the words: two stages fit the shared memory
+
+
+def shared_bytes(bits: int, d: int, mt: int) -> int:
+    rows = GROUP * bits // 32
+    return 4 * (mt * 16 * d + WARPS * stages(bits) * (rows * d + d) + WARPS)
+
+
+def source(bits: int, d: int, s: int, mt: int, qdtype: torch.dtype, rule: int = 0) -> str:
     return HELPERS + _SOURCE.format(bits=bits, d=d, s=s, mt=mt, qt=C_TYPES[str(qdtype)], group=GROUP,
-                                    warps=WARPS, stages=STAGES)
+                                    warps=WARPS, stages=stages(bits), rule=rule)
 
 
 def _supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
     B, Hq, one, D = q.shape
     Hkv = k_codes.shape[1]
-    if one != 1 or Hkv == 0 or Hq % Hkv or bits not in (1, 2) or group != GROUP or D not in (64, 128):
+    if one != 1 or Hkv == 0 or Hq % Hkv or bits not in (1, 2, 4) or group != GROUP or D not in (64, 128):
         return False
     G, T = Hq // Hkv, k_codes.shape[2] * (32 // bits)
     s, mt = (2 if q.dtype == torch.float32 else 1), -(-G // 16)
-    return (str(q.dtype) in C_TYPES and s * mt <= 2 and q.stride(-1) == 1 and k_codes.dtype == torch.int32
+    return (str(q.dtype) in C_TYPES and s * mt <= 2 and shared_bytes(bits, D, mt) <= SMEM_LIMIT
+            and q.stride(-1) == 1 and k_codes.dtype == torch.int32
             and k_scale.dtype == torch.float16 and k_min.dtype == torch.float16
             and k_codes.shape[:2] == (B, Hkv) and k_codes.shape[3] == D
             and k_scale.shape[:2] == (B, Hkv) and k_scale.shape[3] == D and k_scale.shape[2] * group >= T
@@ -203,24 +261,18 @@ def _supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
             and all(rows_contiguous(t, 2) and aligned(t, 16, (0, 1)) for t in (k_codes, k_scale, k_min)))
 
 
-def load(reference):
-    """reference: the torch qk_quant, for the arguments the kernel does not take."""
-    compile_module(source(1, 128, 1, 1, torch.bfloat16)).get_function("qk_quant_kernel")  # fail early
+RULES = {"sum": 1, "lse": 2}  # sketch_scores' combine rules the kernel takes (psum needs every token first)
+
+
+def _launcher():
     kernels = {}
 
-    def qk_quant(q, k_codes, k_scale, k_min, bits: int = 1, group: int = 64, sm_scale: float = 1.0):
-        """Kernel for bits 1/2, group 64, head_dim 64/128, q fp16/bf16 (up to 32 query heads per KV head) or
-        fp32 (up to 16), code/scale/min rows contiguous with 16-byte aligned heads; else the torch reference."""
-        if not _supported(q, k_codes, k_scale, k_min, bits, group):
-            return reference(q, k_codes, k_scale, k_min, bits, group, sm_scale)
+    def run(q, k_codes, k_scale, k_min, bits, sm_scale, out, rule=0, end=None, offset=0):
         B, Hq, _, D = q.shape
-        Hkv = k_codes.shape[1]
-        G, nrows = Hq // Hkv, k_codes.shape[2]
-        out = torch.empty(B, Hq, 1, nrows * (32 // bits), dtype=torch.float32, device=q.device)
-        if out.numel() == 0:
-            return out
+        Hkv, nrows = k_codes.shape[1], k_codes.shape[2]
+        G = Hq // Hkv
         s, mt = (2 if q.dtype == torch.float32 else 1), -(-G // 16)
-        key = (bits, D, s, mt, q.dtype)
+        key = (bits, D, s, mt, q.dtype, rule)
         if key not in kernels:
             kernels[key] = compile_module(source(*key)).get_function("qk_quant_kernel")
         ngroups = -(-nrows // (GROUP * bits // 32))
@@ -231,7 +283,45 @@ def load(reference):
                 ptr(k_scale), np.int64(k_scale.stride(0)), np.int64(k_scale.stride(1)),
                 ptr(k_min), np.int64(k_min.stride(0)), np.int64(k_min.stride(1)),
                 ptr(out), np.int32(Hkv), np.int32(G), np.int32(nrows), np.int32(ngroups), np.int32(gpb),
-                np.float32(sm_scale)), q.device)
+                np.float32(sm_scale), ptr(end) if end is not None else np.uint64(0), np.int64(offset)), q.device)
         return out
 
+    return run
+
+
+def load(reference):
+    """reference: the torch qk_quant, for the arguments the kernel does not take."""
+    compile_module(source(1, 128, 1, 1, torch.bfloat16)).get_function("qk_quant_kernel")  # fail early
+    run = _launcher()
+
+    def qk_quant(q, k_codes, k_scale, k_min, bits: int = 1, group: int = 64, sm_scale: float = 1.0):
+        """Kernel for bits 1/2/4, group 64, head_dim 64/128, q fp16/bf16 (up to 32 query heads per KV head; 16 at
+        4 bits and head_dim 128) or fp32 (up to 16), code/scale/min rows contiguous with 16-byte aligned heads;
+        else the torch reference."""
+        if not _supported(q, k_codes, k_scale, k_min, bits, group):
+            return reference(q, k_codes, k_scale, k_min, bits, group, sm_scale)
+        B, Hq, _, D = q.shape
+        out = torch.empty(B, Hq, 1, k_codes.shape[2] * (32 // bits), dtype=torch.float32, device=q.device)
+        return out if out.numel() == 0 else run(q, k_codes, k_scale, k_min, bits, sm_scale, out)
+
     return qk_quant
+
+
+def load_scores(reference):
+    """reference: the torch sketch_scores (ops/sparse_select.py)."""
+    compile_module(source(2, 128, 1, 1, torch.bfloat16, 2)).get_function("qk_quant_kernel")  # fail early
+    run = _launcher()
+
+    def sketch_scores(q, k_codes, k_scale, k_min, bits, group, end, offset=0, rule="lse", sm_scale=1.0):
+        """The kernel for qk_quant's arguments with rule sum or lse and a one-element int64 `end` on q's device;
+        else the torch reference."""
+        if (rule not in RULES or not _supported(q, k_codes, k_scale, k_min, bits, group)
+                or end.numel() != 1 or end.dtype != torch.int64 or end.device != q.device):
+            return reference(q, k_codes, k_scale, k_min, bits, group, end, offset, rule, sm_scale)
+        B, Hkv = q.shape[0], k_codes.shape[1]
+        out = torch.empty(B, Hkv, k_codes.shape[2] * (32 // bits), dtype=torch.float32, device=q.device)
+        if out.numel() == 0:
+            return out
+        return run(q, k_codes, k_scale, k_min, bits, sm_scale, out, RULES[rule], end, offset)
+
+    return sketch_scores

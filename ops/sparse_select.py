@@ -12,15 +12,18 @@ GQA: query head h belongs to KV head h // G (G = Hq // Hkv), so q [B, Hq, 1, D] 
    ("sum": summed logits = approx_scores; "lse": logsumexp of the heads' scaled logits; "psum": sum of the
    heads' softmax probabilities over the N tokens)
 4. topk_tokens:    the K best tokens per KV head                 -> [B, Hkv, K]
+`--select sketch` scores the whole middle instead, from a low-bit copy of K on the device:
+   sketch_scores:  q . dequant(sketch) per query head, masked past `end`, combined per KV head -> [B, Hkv, N]
 A CUDA kernel may replace each one through the dispatch rule (ops.dispatch); approx_scores (sum and lse) has one
-in ops/sparse_select_cuda.py, topk_tokens in ops/topk_cuda.py.
+in ops/sparse_select_cuda.py, topk_tokens in ops/topk_cuda.py, sketch_scores (sum and lse) in ops/qk_quant_cuda.py.
 """
 from __future__ import annotations
 
 import torch
 
-from tailorkv.ops import sparse_select_cuda, topk_cuda
+from tailorkv.ops import qk_quant_cuda, sparse_select_cuda, topk_cuda
 from tailorkv.ops.dispatch import op, register_kernel
+from tailorkv.ops.quant_attention import qk_quant
 
 CHANNEL_RULES = ("paper", "max", "l2")
 COMBINE_RULES = ("sum", "lse", "psum")
@@ -111,6 +114,19 @@ def combine_heads(scores: torch.Tensor, n_kv: int, rule: str = "lse", sm_scale: 
     raise ValueError(f"unknown select rule {rule!r}: use {', '.join(COMBINE_RULES)}")
 
 
+@op("sketch_scores")
+def sketch_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_min: torch.Tensor, bits: int,
+                  group: int, end: torch.Tensor, offset: int = 0, rule: str = "lse",
+                  sm_scale: float = 1.0) -> torch.Tensor:
+    """q [B, Hq, 1, D] over packed keys (qk_quant's layout, N = the codes' tokens) -> [B, Hkv, N] fp32: the
+    scaled logits sm_scale * q_h . dequant(K), -inf where n + offset >= end (a one-element int64 tensor),
+    combined over each KV head's query heads by `rule` (combine_heads with sm_scale 1: the logits are scaled)."""
+    logits = qk_quant(q, k_codes, k_scale, k_min, bits, group, sm_scale)[:, :, 0]
+    n = torch.arange(logits.shape[-1], device=logits.device) + offset
+    logits = logits.masked_fill(n >= end.reshape(()).to(logits.device), float("-inf"))
+    return combine_heads(logits, k_codes.shape[1], rule)
+
+
 @op("topk_tokens")
 def topk_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [B, Hkv, N] -> token indices [B, Hkv, min(k, N)] (int64, relative to the scored range), in no
@@ -119,4 +135,5 @@ def topk_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 register_kernel("approx_scores", lambda: sparse_select_cuda.load_approx_scores(approx_scores.reference))
+register_kernel("sketch_scores", lambda: qk_quant_cuda.load_scores(sketch_scores.reference))
 register_kernel("topk_tokens", lambda: topk_cuda.load(topk_tokens.reference))

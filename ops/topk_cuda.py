@@ -1,15 +1,21 @@
 """CUDA kernel for topk_tokens (ops/sparse_select.py): the k largest of each row of fp32 scores, exact.
 
-One block of 1024 threads per row; nothing outside shared memory but the row and the output (no workspace,
-no memsets: in a CUDA graph torch.topk's memset nodes stalled behind the copy stream's PCIe reads).
-Radix select on the order-preserving 32-bit key of each float, in three histogram passes over the row
-(bits 31-21, 20-10, 9-0, each counting only the keys that match the bits fixed so far), gives the k-th
-largest key T and how many keys equal to T are needed. A last pass writes the keys > T in index order, then
-the needed keys == T, lowest indices first (so the result is the set torch.topk returns when it breaks ties
-by the lowest index), from block-wide prefix sums over tiles of 8 consecutive keys per thread.
-NaN sorts above +inf (as in torch.topk).
+A block of 1024 threads selects within a stretch of a row using nothing outside shared memory but its input and
+output (no workspace to clear, no memsets: in a CUDA graph torch.topk's memset nodes stalled behind the copy
+stream's PCIe reads). Radix select on the order-preserving 32-bit key of each float, in three histogram passes
+(bits 31-21, 20-10, 9-0, each counting only the keys that match the bits fixed so far), gives the k-th largest
+key T and how many keys equal to T are needed; a last pass writes the keys > T and the first needed keys == T in
+index order (so the set is the one torch.topk returns when it breaks ties by the lowest index), from block-wide
+prefix sums over tiles of 8 consecutive keys per thread. NaN sorts above +inf (as in torch.topk).
+
+A long row would leave most of the GPU idle with one block per row (8 rows at 128k: 8 blocks on 132 SMs), so it
+is cut into S stretches: stage 1 takes the k best of each stretch (index order, -1 where a stretch is short),
+stage 2 the k best of those S * k candidates, reading the scores through their indices; the candidates come in
+index order, so ties still go to the lowest index.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -56,31 +62,43 @@ __device__ __forceinline__ unsigned block_exclusive_scan(unsigned v, unsigned* w
 
 extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         const float* __restrict__ scores, const long long row_stride, const int N, const int K,
+        const long long* __restrict__ cand, const int stretch, const int S,
         long long* __restrict__ out, const long long out_stride) {
+    // block (row, s) of S per row takes elements [s * stretch, min(N, (s + 1) * stretch)) of its row: scores
+    // x[i] (cand null) or x[cand[i]] over the row's N candidate indices (-1: none, the lowest key); it writes
+    // min(K, n) indices in index order to out + block * out_stride, then -1 up to K when S > 1
     __shared__ unsigned hist[2048];
     __shared__ unsigned warp_sums[32];
     __shared__ unsigned s_bin, s_above;
-    const float* x = scores + (long long)blockIdx.x * row_stride;
+    const int row = blockIdx.x / S, seg = blockIdx.x % S;
+    const float* x = scores + (long long)row * row_stride;
+    const long long* c = cand ? cand + (long long)row * N : nullptr;
     long long* o = out + (long long)blockIdx.x * out_stride;
-    const int t = threadIdx.x;
+    const int lo = seg * stretch, n = min(N - lo, stretch), k = min(K, n), t = threadIdx.x;
+    auto key_at = [&](int i) -> unsigned {  // i < n
+        if (!c) return key_of(x[lo + i]);
+        const long long j = c[lo + i];
+        return j >= 0 ? key_of(x[j]) : 0u;
+    };
+    auto index_at = [&](int i) -> long long { return c ? c[lo + i] : (long long)(lo + i); };
     unsigned prefix = 0u, mask = 0u;
-    unsigned need = (unsigned)K;  // keys still to take among those matching prefix/mask
+    unsigned need = (unsigned)k;  // keys still to take among those matching prefix/mask
     const int shifts[3] = {21, 10, 0};
     const int widths[3] = {11, 11, 10};
-    for (int pass = 0; pass < 3; ++pass) {
+    for (int pass = 0; pass < 3 && k > 0; ++pass) {
         const int shift = shifts[pass], nbins = 1 << widths[pass];
         for (int i = t; i < 2048; i += THREADS) hist[i] = 0u;
         __syncthreads();
-        for (int base = t; base < N; base += THREADS * PER) {  // PER loads in flight before the atomics
+        for (int base = t; base < n; base += THREADS * PER) {  // PER loads in flight before the atomics
             unsigned ks[PER];
             #pragma unroll
             for (int v = 0; v < PER; ++v) {
                 const int i = base + v * THREADS;
-                ks[v] = i < N ? key_of(x[i]) : 0u;
+                ks[v] = i < n ? key_at(i) : 0u;
             }
             #pragma unroll
             for (int v = 0; v < PER; ++v)
-                if (base + v * THREADS < N && (ks[v] & mask) == prefix)
+                if (base + v * THREADS < n && (ks[v] & mask) == prefix)
                     atomicAdd(&hist[(ks[v] >> shift) & (nbins - 1)], 1u);
         }
         __syncthreads();
@@ -92,9 +110,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         unsigned total;
         unsigned run = block_exclusive_scan(mine, warp_sums, &total);  // keys in bins above this thread's
         for (int j = 0; j < per; ++j) {
-            const unsigned c = hist[top - j];
-            if (run < need && run + c >= need) { s_bin = (unsigned)(top - j); s_above = run; }
-            run += c;
+            const unsigned cnt = hist[top - j];
+            if (run < need && run + cnt >= need) { s_bin = (unsigned)(top - j); s_above = run; }
+            run += cnt;
         }
         __syncthreads();
         prefix |= s_bin << shift;
@@ -102,17 +120,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         need -= s_above;
         __syncthreads();
     }
-    // prefix is the k-th largest key T; need (>= 1) keys equal to T are taken, K - need keys are above it
-    const unsigned T = prefix, above = (unsigned)K - need;
+    // prefix is the k-th largest key T; need (>= 1) keys equal to T are taken, k - need keys are above it.
+    // An element's slot: the keys > T before it plus the taken keys == T before it (index order).
+    const unsigned T = prefix;
     unsigned base_gt = 0u, base_eq = 0u;
-    for (int tile = 0; tile < N; tile += THREADS * PER) {
+    for (int tile = 0; tile < n && k > 0; tile += THREADS * PER) {
         const int i0 = tile + t * PER;
         unsigned keys[PER];
         unsigned gt = 0u, eq = 0u;
         #pragma unroll
         for (int v = 0; v < PER; ++v) {
-            keys[v] = (i0 + v < N) ? key_of(x[i0 + v]) : 0u;
-            const bool in = i0 + v < N;
+            const bool in = i0 + v < n;
+            keys[v] = in ? key_at(i0 + v) : 0u;
             gt += (in && keys[v] > T);
             eq += (in && keys[v] == T);
         }
@@ -121,15 +140,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         unsigned pg = base_gt + (before & 0xffffu), pe = base_eq + (before >> 16);
         #pragma unroll
         for (int v = 0; v < PER; ++v) {
-            if (i0 + v >= N) break;
-            if (keys[v] > T) { o[pg++] = i0 + v; }
-            else if (keys[v] == T) { if (pe < need) o[above + pe] = i0 + v; ++pe; }
+            if (i0 + v >= n) break;
+            if (keys[v] > T) { o[pg + min(pe, need)] = index_at(i0 + v); ++pg; }
+            else if (keys[v] == T) { if (pe < need) o[pg + pe] = index_at(i0 + v); ++pe; }
         }
         base_gt += total & 0xffffu;
         base_eq += total >> 16;
     }
+    if (S > 1)
+        for (int i = k + t; i < K; i += THREADS) o[i] = -1;
 }
 """
+
+
+def stretches(rows: int, n: int, k: int, sms: int) -> int:
+    """How many stretches to cut each row into: sqrt(n / k) balances the two stages (a stretch of n / s keys,
+    s * k candidates), at most about two blocks per SM over all rows; 1 = one stage."""
+    s = min(-(-2 * sms // rows), math.isqrt(n // max(1, k)))
+    return s if s >= 2 else 1
 
 
 def load(reference):
@@ -138,7 +166,7 @@ def load(reference):
 
     def topk_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
         """fp32 scores [B, H, N] with unit stride along N and rows at one stride, N < 2^31, k <= N; the
-        result is in index order within its two parts (keys above the k-th, then those equal to it)."""
+        result is in index order."""
         B, H, N = scores.shape
         k = min(k, N)
         rows_ok = scores.dim() == 3 and (B == 1 or scores.stride(0) == H * scores.stride(1))
@@ -147,9 +175,18 @@ def load(reference):
         out = torch.empty(B, H, k, dtype=torch.int64, device=scores.device)
         if k == 0 or B * H == 0:
             return out
-        launch(fn, (B * H,), (THREADS,),
-               (ptr(scores), np.int64(scores.stride(1) if H > 1 else scores.stride(0)), np.int32(N),
-                np.int32(k), ptr(out), np.int64(k)), scores.device)
+        rows, row_stride = B * H, np.int64(scores.stride(1) if H > 1 else scores.stride(0))
+        s = stretches(rows, N, k, torch.cuda.get_device_properties(scores.device).multi_processor_count)
+        if s == 1:
+            launch(fn, (rows,), (THREADS,), (ptr(scores), row_stride, np.int32(N), np.int32(k), np.uint64(0),
+                                             np.int32(N), np.int32(1), ptr(out), np.int64(k)), scores.device)
+            return out
+        stretch = -(-N // s)
+        cand = torch.empty(rows, s, k, dtype=torch.int64, device=scores.device)
+        launch(fn, (rows * s,), (THREADS,), (ptr(scores), row_stride, np.int32(N), np.int32(k), np.uint64(0),
+                                             np.int32(stretch), np.int32(s), ptr(cand), np.int64(k)), scores.device)
+        launch(fn, (rows,), (THREADS,), (ptr(scores), row_stride, np.int32(s * k), np.int32(k), ptr(cand),
+                                         np.int32(s * k), np.int32(1), ptr(out), np.int64(k)), scores.device)
         return out
 
     return topk_tokens

@@ -61,6 +61,8 @@ QK_CASES = [  # (bits, B, Hq, Hkv, T, D, q dtype)
     (1, 2, 9, 3, 320, 64, torch.float16), (2, 2, 9, 3, 320, 64, torch.float32),
     (1, 1, 4, 4, 96, 128, torch.float32), (2, 1, 8, 2, 48, 128, torch.float16),
     (1, 1, 28, 1, 64, 64, torch.bfloat16), (1, 2, 32, 8, 0, 128, torch.bfloat16),
+    (4, 1, 32, 8, 4096, 128, torch.bfloat16), (4, 2, 9, 3, 320, 64, torch.float32),
+    (4, 1, 8, 2, 48, 128, torch.float16), (4, 1, 28, 1, 136, 64, torch.bfloat16),
 ]
 
 
@@ -93,6 +95,40 @@ def test_qk_quant_kernel_reads_views_of_a_larger_buffer():
     got = qk_quant(q, kc[:, :, :20], ks[:, :, :10], km[:, :, :10], 1, 64, 0.1)  # the policy's sliced views
     want = qk_quant.reference(q, kc[:, :, :20], ks[:, :, :10], km[:, :, :10], 1, 64, 0.1)
     assert rel_err(got, want) < 1e-5
+
+
+SKETCH_CASES = [  # (bits, B, Hq, Hkv, T, D, q dtype, rule)
+    (2, 1, 32, 8, 4096, 128, torch.bfloat16, "lse"), (1, 1, 32, 8, 4096, 128, torch.bfloat16, "sum"),
+    (4, 1, 32, 8, 2048, 128, torch.bfloat16, "lse"), (2, 2, 9, 3, 320, 64, torch.float32, "lse"),
+    (1, 1, 28, 1, 192, 64, torch.bfloat16, "lse"), (4, 2, 9, 3, 256, 64, torch.float16, "sum"),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits,B,hq,hkv,T,D,dtype,rule", SKETCH_CASES)
+def test_sketch_scores_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype, rule):
+    """The fused epilogue (the group's heads combined, masked from `end` on) against qk_quant + mask +
+    combine_heads, on views of a larger sketch as the policy passes them."""
+    from tailorkv.ops.sparse_select import sketch_scores
+    g = torch.Generator().manual_seed(SEED + T + hq + bits + 11)
+    kc, ks, km = random_keys(g, B, hkv, T + 256, D, bits, "cuda")
+    cpw = codes_per_word(bits)
+    q = (torch.randn(B, hq, 1, D, generator=g) * 3).to("cuda", dtype)
+    kernel = dispatch.kernel_for("sketch_scores", q, kc, ks, km)
+    assert kernel is not None, "the sketch_scores kernel did not load (CuPy missing?)"
+    offset = 5
+    for end in (offset + T - 37, offset + T, offset + 3, 0):
+        e = torch.tensor(end, device="cuda")
+        args = (q, kc[:, :, :T // cpw], ks[:, :, :-(-T // 64)], km[:, :, :-(-T // 64)], bits, 64, e, offset, rule,
+                1 / math.sqrt(D))
+        poison_allocator(B * hkv * T * 4)
+        got = kernel(*args)
+        want = sketch_scores.reference(*args)
+        assert got.shape == want.shape == (B, hkv, T)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), f"mask differs at end {end}"
+        fin = torch.isfinite(want)
+        if fin.any():
+            assert rel_err(got[fin], want[fin]) < 1e-5
 
 
 AV_CASES = [  # (bits, B, Hq, Hkv, T, D, probs dtype)

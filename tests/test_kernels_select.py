@@ -92,7 +92,8 @@ def distinct_scores(g, B, H, N, device="cuda"):
 
 TOPK_CASES = [(1, 8, 131072, 896), (2, 8, 8191, 1024), (1, 3, 5000, 31), (2, 2, 1000, 999), (1, 1, 7, 3),
               (1, 4, 300, 300), (1, 4, 300, 500), (3, 2, 65537, 1), (1, 8, 8192, 896), (1, 8, 32768, 896),
-              (1, 8, 131072, 8192), (1, 2, 1 << 20, 896), (1, 1, 10000, 9999), (64, 8, 4096, 128)]
+              (1, 8, 131072, 8192), (1, 2, 1 << 20, 896), (1, 1, 10000, 9999), (64, 8, 4096, 128),
+              (1, 8, 100003, 900), (1, 3, 20000, 4999), (2, 1, 65536, 2)]  # two stages, short last stretches
 
 
 def lowest_ties_topk(scores, k):
@@ -136,7 +137,7 @@ def test_topk_tokens_kernel_returns_the_set_of_the_k_largest(B, H, N, k):
     assert kernel is not None, "the topk_tokens kernel did not load"
     got = kernel(scores, k)
     assert got.shape == (B, H, min(k, N)) and got.dtype == torch.int64
-    assert torch.equal(got.sort(-1).values.cpu(), lowest_ties_topk(scores, min(k, N)))
+    assert torch.equal(got.cpu(), lowest_ties_topk(scores, min(k, N)))  # the set, in index order
     assert torch.equal(topk_tokens(scores, k).sort(-1).values.cpu(), lowest_ties_topk(scores, min(k, N)))
 
 
@@ -157,7 +158,15 @@ def test_topk_tokens_kernel_breaks_ties_by_the_lowest_index(kind):
     scores = scores.cuda()
     kernel = dispatch.kernel_for("topk_tokens", scores)
     got = kernel(scores, k)
-    assert torch.equal(got.sort(-1).values.cpu(), lowest_ties_topk(scores, k))
+    assert torch.equal(got.cpu(), lowest_ties_topk(scores, k))
+
+
+def test_topk_stretches_balance_the_two_stages():
+    from tailorkv.ops.topk_cuda import stretches
+    assert stretches(8, 131072, 896, 132) == 12      # sqrt(146): 10.9k keys per stretch, 10.8k candidates
+    assert stretches(512, 4096, 128, 132) == 1       # rows fill the GPU: one stage
+    assert stretches(8, 2048, 896, 132) == 1         # a short row: one stage
+    assert stretches(1, 1 << 20, 1, 132) == 264      # capped at two blocks per SM
 
 
 @pytest.mark.cuda

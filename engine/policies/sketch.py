@@ -6,8 +6,8 @@ The sketch is the KIVI key layout of ops/quant.py (per channel, groups of `group
 and min, codes packed into int32 words) over positions sink, sink + 1, ... of the middle. The middle grows by
 any number of tokens, as on the paper's path (the tail keeps exactly `recent` prompt tokens): a partial last
 group is quantized over the tokens it has and again when it fills.
-At a decode step the query's scores over the sketch come from the 1/2-bit attention kernel (`qk_quant`), the
-heads of a GQA group are combined by the layer's rule, and the top-K positions are taken; nothing is fetched
+At a decode step the query's scores over the sketch (`sketch_scores`: the packed-key attention kernel with the
+heads of a GQA group combined by the layer's rule in its epilogue) pick the top-K positions; nothing is fetched
 before the layer's own query exists.
 """
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch
 from tailorkv.engine.policies.selection import TokenSelector
 from tailorkv.ops.attention import softmax_scale
 from tailorkv.ops.quant import codes_per_word, quantize_keys
-from tailorkv.ops.quant_attention import qk_quant
-from tailorkv.ops.sparse_select import combine_heads, topk_tokens
+from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
 
 
 class KeySketch:
@@ -70,13 +69,13 @@ class KeySketch:
         rem = t % g
         self.pending = x[:, :, t - rem:t].clone() if rem else None
 
-    def logits(self, q: torch.Tensor, n: int) -> torch.Tensor:
-        """q [B, Hq, 1, D] -> [B, Hq, n] fp32 scaled logits over the first n sketched positions (n a multiple of
-        the group; positions past self.n hold stale or padded data: the caller masks them)."""
+    def scores(self, q: torch.Tensor, n: int, end: torch.Tensor, offset: int, rule: str) -> torch.Tensor:
+        """q [B, Hq, 1, D] -> [B, Hkv, n] fp32: the scaled logits over the first n sketched positions (n a
+        multiple of the group), -inf from absolute position `end` on (positions past self.n hold stale or
+        padded data), the group's heads combined by `rule`; position i of the sketch is absolute offset + i."""
         cpw, g = codes_per_word(self.bits), self.group
-        s = qk_quant(q, self.codes[:, :, :n // cpw], self.scale[:, :, :n // g], self.min[:, :, :n // g],
-                     self.bits, g, sm_scale=softmax_scale(q.shape[-1]))
-        return s[:, :, 0]
+        return sketch_scores(q, self.codes[:, :, :n // cpw], self.scale[:, :, :n // g], self.min[:, :, :n // g],
+                             self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]))
 
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
@@ -90,7 +89,5 @@ class SketchSelector(TokenSelector):
         lo, n, k = layer.sink, layer.middle_bucket, layer.topk
         if layer.middle_whole:
             return layer.whole_middle(q)
-        logits = layer.sketch.logits(q, n)
-        valid = torch.arange(lo, lo + n, device=q.device) < layer.tail_start_dev
-        scores = combine_heads(logits.masked_fill(~valid, float("-inf")), layer.spec.n_kv_heads, self.rule)
-        return topk_tokens(scores, k) + lo  # the logits are scaled already: combine_heads' sm_scale stays 1
+        scores = layer.sketch.scores(q, n, layer.tail_start_dev, lo, self.rule)
+        return topk_tokens(scores, k) + lo
