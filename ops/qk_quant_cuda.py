@@ -38,6 +38,7 @@ _SOURCE = r"""
 #define D {d}
 #define S {s}
 #define MT {mt}
+#define NEG_INF __int_as_float(0xff800000u)
 #define RULE {rule}                // 0: one logit per query head; 1: their sum per KV head; 2: their logsumexp
 typedef {qt} qtype;
 #define CPW (32 / BITS)
@@ -62,7 +63,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long T = (long long)nrows * CPW;
-    const long long endv = RULE ? *end : 0;
+#if RULE
+    const long long endv = *end;
+#endif
 
     float amax = 0.f;
     for (int i = threadIdx.x; i < MT * 16 * D; i += blockDim.x) {{
@@ -195,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
                 float r[2];
                 #pragma unroll
                 for (int jj = 0; jj < 2; ++jj) {{  // token tok + jj: rows h0 (v[.][jj]) and h1 (v[.][2 + jj])
-                    float m = -INFINITY, sum = 0.f;
+                    float m = NEG_INF, sum = 0.f;
                     #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
                     #pragma unroll
@@ -216,11 +219,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
                     #pragma unroll
                     for (int o = 4; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
                     r[jj] = RULE == 2 ? m + logf(sum) : sum;
-                    if (offset + tok + jj >= endv) r[jj] = -INFINITY;
+                    if (offset + tok + jj >= endv) r[jj] = NEG_INF;
                 }}
                 if (g == 0) *reinterpret_cast<float2*>(out + (long long)bh * T + tok) = make_float2(r[0], r[1]);
 #endif
             }}
+        }}
         __syncwarp();
     }}
 }}
