@@ -3,9 +3,8 @@ rows of the pinned host store in one softmax, the host rows read zero-copy (UVA)
 gather, cat or mask tensors exist.
 
 Pass 1: the keys (device slots, then the K selected positions) are split into contiguous chunks, one block
-per (chunk, batch, KV head); each warp takes every WARPS-th key of the chunk, UNROLL keys at a time, decides
-from the device scalars whether each is held (a key that is not held is never read), loads their K and V rows
-together before using any (UNROLL host reads in flight per warp) (lane l holds
+per (chunk, batch, KV head); each warp takes every WARPS-th key of the chunk, decides from the device scalars
+whether it is held (a key that is not held is never read), loads its K and V rows together (lane l holds
 channels l*CPL .. l*CPL+CPL-1), reduces the G heads' dot products over the warp and keeps a running max, sum
 and output per head in fp32. The block's warps merge in shared memory and write one partial per (chunk, head).
 Pass 2 merges the chunks of each (batch, query head) in a fixed order; no key held -> zeros.
@@ -21,7 +20,6 @@ from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 from tailorkv.ops.quant_common_cuda import C_TYPES
 
 WARPS = 8
-UNROLL = 4  # keys whose rows a warp loads at once (PCIe latency: more reads in flight)
 
 _SOURCE = r"""
 #include <cuda_fp16.h>
@@ -29,7 +27,6 @@ _SOURCE = r"""
 #define D {d}
 #define G {g}
 #define WARPS {warps}
-#define U {unroll}
 #define CPL (D / 32)
 #define NEG_INF __int_as_float(0xff800000u)
 typedef {kt} ktype;
@@ -67,53 +64,35 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sparse_attend_partial(
         #pragma unroll
         for (int c = 0; c < CPL; ++c) acc[g][c] = 0.f;
     }}
-    for (int j = j0 + warp; j < j1; j += WARPS * U) {{
-        // U keys' rows are loaded before any is used: U PCIe reads in flight per warp instead of one
-        float kf[U][CPL], vf[U][CPL];
-        bool use[U];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {{
-            const int ju = j + u * WARPS;
-            const ktype *kp = nullptr, *vp = nullptr;
-            if (ju < j1) {{
-                if (ju < SC) {{
-                    const bool held = ju < sink ? (long long)ju <= p : (long long)(ju - sink) <= p - ts;
-                    if (held) {{
-                        kp = dk + b * dsb + h * dsh + (long long)ju * dsn;
-                        vp = dv + b * dsb + h * dsh + (long long)ju * dsn;
-                    }}
-                }} else {{
-                    const long long a = pos[b * psb + h * psh + (ju - SC)] + offset;
-                    if (a >= sink && a < ts && a < N) {{
-                        kp = hk + b * hsb + h * hsh + a * hsn;
-                        vp = hv + b * hsb + h * hsh + a * hsn;
-                    }}
-                }}
-            }}
-            use[u] = kp != nullptr;
-            #pragma unroll
-            for (int c = 0; c < CPL; ++c) {{
-                kf[u][c] = use[u] ? to_float(kp[lane * CPL + c]) : 0.f;
-                vf[u][c] = use[u] ? to_float(vp[lane * CPL + c]) : 0.f;
-            }}
+    for (int j = j0 + warp; j < j1; j += WARPS) {{
+        const ktype *kp, *vp;
+        if (j < SC) {{
+            const bool held = j < sink ? (long long)j <= p : (long long)(j - sink) <= p - ts;
+            if (!held) continue;
+            kp = dk + b * dsb + h * dsh + (long long)j * dsn;
+            vp = dv + b * dsb + h * dsh + (long long)j * dsn;
+        }} else {{
+            const long long a = pos[b * psb + h * psh + (j - SC)] + offset;
+            if (a < sink || a >= ts || a >= N) continue;
+            kp = hk + b * hsb + h * hsh + a * hsn;
+            vp = hv + b * hsb + h * hsh + a * hsn;
         }}
+        float kf[CPL], vf[CPL];
         #pragma unroll
-        for (int u = 0; u < U; ++u) {{
-            if (!use[u]) continue;
+        for (int c = 0; c < CPL; ++c) {{ kf[c] = to_float(kp[lane * CPL + c]); vf[c] = to_float(vp[lane * CPL + c]); }}
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {{
+            float s = 0.f;
             #pragma unroll
-            for (int g = 0; g < G; ++g) {{
-                float s = 0.f;
-                #pragma unroll
-                for (int c = 0; c < CPL; ++c) s += qf[g][c] * kf[u][c];
-                #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                s *= scale_log2;
-                const float mn = fmaxf(m[g], s), corr = exp2f(m[g] - mn), e = exp2f(s - mn);
-                l[g] = l[g] * corr + e;
-                #pragma unroll
-                for (int c = 0; c < CPL; ++c) acc[g][c] = acc[g][c] * corr + e * vf[u][c];
-                m[g] = mn;
-            }}
+            for (int c = 0; c < CPL; ++c) s += qf[g][c] * kf[c];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            s *= scale_log2;
+            const float mn = fmaxf(m[g], s), corr = exp2f(m[g] - mn), e = exp2f(s - mn);
+            l[g] = l[g] * corr + e;
+            #pragma unroll
+            for (int c = 0; c < CPL; ++c) acc[g][c] = acc[g][c] * corr + e * vf[c];
+            m[g] = mn;
         }}
     }}
     #pragma unroll
@@ -164,7 +143,7 @@ extern "C" __global__ void sparse_attend_merge(
 
 def load(reference):
     """reference: the torch sparse_decode_attention, for the arguments the kernel does not take."""
-    compile_module(_SOURCE.format(d=128, g=4, warps=WARPS, unroll=UNROLL, kt=C_TYPES["torch.bfloat16"])).get_function(
+    compile_module(_SOURCE.format(d=128, g=4, warps=WARPS, kt=C_TYPES["torch.bfloat16"])).get_function(
         "sparse_attend_partial")  # fail early
     kernels = {}
 
@@ -197,7 +176,7 @@ def load(reference):
         scale = (1.0 / math.sqrt(D)) if sm_scale is None else sm_scale
         key = (q.dtype, D, G)
         if key not in kernels:
-            mod = compile_module(_SOURCE.format(d=D, g=G, warps=WARPS, unroll=UNROLL, kt=C_TYPES[str(q.dtype)]))
+            mod = compile_module(_SOURCE.format(d=D, g=G, warps=WARPS, kt=C_TYPES[str(q.dtype)]))
             kernels[key] = (mod.get_function("sparse_attend_partial"), mod.get_function("sparse_attend_merge"))
         partial, merge = kernels[key]
         J = SC + K
