@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--methods", default="full,tailorkv")
     ap.add_argument("--bits", type=int, default=1)
+    ap.add_argument("--select", default="channels", help="tailorkv's token selection: channels or sketch")
     ap.add_argument("--paths", default="graph+overlap", help="compared with --reference: " + ",".join(PATHS))
     ap.add_argument("--reference", default="eager+sync", choices=list(PATHS))
     ap.add_argument("--reference-kernels-off", default="", help="comma-separated op names (e.g. linear,store_kv)")
@@ -75,7 +76,8 @@ def main():
     prompt = torch.randint(0, min(loaded.cfg.vocab_size, 32000), (1, n_prompt), generator=g).to(args.device)
     rows = []
     for method in args.methods.split(","):
-        s = MethodSettings(method=method, bits=args.bits)
+        s = MethodSettings(method=method, bits=args.bits,
+                           **({"select": args.select} if method == "tailorkv" else {}))
         with kernels_off(args.reference_kernels_off):
             ref, ref_logits = greedy(loaded, s, prompt, args.steps, args.ctx, *PATHS[args.reference])
         reference = args.reference + (f" (kernels off: {args.reference_kernels_off})"
@@ -90,7 +92,7 @@ def main():
             top2 = ref_logits.topk(2, -1).values
             first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
             first_logit = next((i for i, d in enumerate(diff.tolist()) if d > 0), None)
-            rows.append({"model": loaded.name, "method": method, "path": path, "ctx": args.ctx,
+            rows.append({"model": loaded.name, "method": method, "select": s.select, "path": path, "ctx": args.ctx,
                          "steps": args.steps, "equal": ref == got, "first_difference": first,
                          "tokens": len(ref), "first_logit_difference": first_logit,
                          "max_logit_difference": diff.max().item(), "reference": reference,
@@ -98,7 +100,7 @@ def main():
                          "relative_logit_difference_first_steps": rel[:8].tolist(),
                          "margin_at_first_difference": None if first is None else
                          (top2[first, 0] - top2[first, 1]).item()})
-            print(f"{loaded.name} {method} ctx {args.ctx} {path} vs {reference}: {args.steps} greedy steps "
+            print(f"{loaded.name} {method} ({s.select}) ctx {args.ctx} {path} vs {reference}: {args.steps} greedy steps "
                   + ("identical" if ref == got else f"DIFFER from step {first} (reference's top-2 margin "
                      f"there {rows[-1]['margin_at_first_difference']:.3g})")
                   + f"; logits on the reference's tokens: first differ at step {first_logit}, "
