@@ -2,6 +2,9 @@
 (dims before the row collapse into one row index with a single pitch) whose last dims are contiguous, e.g. the
 middle [lo, hi) of a host store [B, H, N, D] or columns [lo, hi) of K^T [B, H, D, N].
 
+Where the leading dims do not collapse (a head's rows of an interleaved K/V store: [B, H, m, D] views of
+[B, H, N, 2, D]), the copy is one 2D copy per index of the first dim (recursively).
+
 The torch reference is `dst.copy_(src)` (for a strided host side torch stages the data and copies it row by
 row on the CPU: ~1.5 GB/s measured on the H200 machine). The CUDA path is one cudaMemcpy2DAsync on torch's
 current stream: the DMA engines move the rows at PCIe speed, the host is not held, and the copy overlaps work
@@ -69,6 +72,10 @@ def _load():
     def host_copy_2d(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         plan = rows_plan(dst, src) if dst.dtype == src.dtype and dst.is_cuda != src.is_cuda else None
         if plan is None:
+            if dst.dtype == src.dtype and dst.is_cuda != src.is_cuda and dst.shape == src.shape and dst.dim() > 1:
+                for i in range(dst.shape[0]):  # the leading dims do not collapse: one 2D copy per index of the first
+                    host_copy_2d(dst[i], src[i])
+                return dst
             return host_copy.reference(dst, src)
         rows, width, dpitch, spitch = plan
         if rows * width == 0:

@@ -41,3 +41,22 @@ def test_kernel_equals_reference_both_ways(dtype):
     back = torch.full((B, H, 700, D), float("nan"), dtype=dtype, device="cuda")
     host_copy(back, host[:, :, 1000:1700])
     assert torch.equal(back, k)
+
+
+@pytest.mark.cuda
+def test_kernel_copies_the_interleaved_store_views_head_by_head():
+    """host_k / host_v of the sparse layers' [B, H, N, 2, D] store: the leading dims do not collapse into one
+    pitch, so the copy goes one 2D copy per (batch, head); both ways, nothing written outside."""
+    N, B, H, D = 3000, 2, 8, 64
+    kv = torch.full((B, H, N, 2, D), float("nan"), dtype=torch.bfloat16).pin_memory()
+    hk, hv = kv[:, :, :, 0], kv[:, :, :, 1]
+    k = torch.randn(B, H, 700, D, device="cuda").to(torch.bfloat16)
+    assert rows_plan(hk[:, :, 1000:1700], k) is None
+    host_copy(hk[:, :, 1000:1700], k)
+    host_copy(kv[:, :, 1700:2400], torch.stack([k, -k], 3))  # the prompt's chunks: one copy of K and V
+    torch.cuda.synchronize()
+    assert torch.equal(hk[:, :, 1000:1700], k.cpu()) and hv[:, :, 1000:1700].isnan().all()
+    assert torch.equal(hv[:, :, 1700:2400], -k.cpu()) and hk[:, :, :1000].isnan().all()
+    back = torch.empty_like(k)
+    host_copy(back, hv[:, :, 1700:2400])
+    assert torch.equal(back, -k)

@@ -5,8 +5,9 @@ Regions, by absolute position (every held token is in exactly one):
 - middle [sink, tail_start)      in the host store only (pinned when the device is CUDA)
 - tail   [tail_start, held)      on the device, slots sink + (position - tail_start): the prompt's last
                                  `recent` tokens and every token generated since the last flush
-The host store is preallocated to max_len and indexed by absolute position: token-major K and V
-[B, Hkv, max_len, D] and channel-major K^T [B, Hkv, D, max_len]. max|K| per (KV head, channel) [B, Hkv, D]
+The host store is preallocated to max_len and indexed by absolute position: token-major K and V side by side
+[B, Hkv, max_len, 2, D] (host_k, host_v: its views) and, for the paper's selection, channel-major K^T
+[B, Hkv, D, max_len] (`--select sketch` keeps none). max|K| per (KV head, channel) [B, Hkv, D]
 stays on the device and grows with every token added (prompt and generated).
 
 - Multi-token step (prefill, or a later chat turn): exact causal attention of the new queries over every
@@ -67,9 +68,11 @@ class SparseOffloadCache(LayerCache):
             self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
         host = dict(dtype=spec.dtype, device="cpu", pin_memory=spec.device.type == "cuda")
-        self.host_k = torch.empty(B, H, N, D, **host)
-        self.host_v = torch.empty(B, H, N, D, **host)
-        self.host_kt = torch.empty(B, H, D, N, **host)
+        # a token's K and V rows side by side (one 2D-row run per token and head): the decode step reads both,
+        # and one run touches half the host pages of two separate stores
+        self.host_kv = torch.empty(B, H, N, 2, D, **host)
+        self.host_k, self.host_v = self.host_kv[:, :, :, 0], self.host_kv[:, :, :, 1]
+        self.host_kt = torch.empty(B, H, D, N, **host) if self.sketch is None else None  # the paper's K^T rows
         dev = dict(dtype=spec.dtype, device=spec.device)
         self.dev_k = torch.zeros(B, H, self.sink + self.cap, D, **dev)
         self.dev_v = torch.zeros_like(self.dev_k)
@@ -159,7 +162,7 @@ class SparseOffloadCache(LayerCache):
         return pos.expand(q.shape[0], self.spec.n_kv_heads, k)
 
     def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.host_k, self.host_v, self.host_kt))
+        return sum(t.numel() * t.element_size() for t in (self.host_kv, self.host_kt) if t is not None)
 
     # --- one step -----------------------------------------------------------------------------------------
     def plan(self, step):
@@ -291,16 +294,19 @@ class SparseOffloadCache(LayerCache):
         for j, s in enumerate(range(0, k.shape[2], STORE_CHUNK)):  # chunks bound the device copies of a prompt
             if j >= 2:  # at most two chunks' copies in flight: their device tensors are freed once copied
                 self.scheduler.wait(f"store:{self.spec.layer_idx}:{j % 2}")
-            kc, vc = k[:, :, s:s + STORE_CHUNK].contiguous(), v[:, :, s:s + STORE_CHUNK].contiguous()
-            ktc, a, b = kc.transpose(2, 3).contiguous(), pos + s, pos + s + kc.shape[2]
+            kc, vc = k[:, :, s:s + STORE_CHUNK], v[:, :, s:s + STORE_CHUNK]
+            kvc, a, b = torch.stack([kc, vc], 3), pos + s, pos + s + kc.shape[2]   # [B, H, m, 2, D] as stored
+            made = [kvc]
+            if self.host_kt is not None:
+                made.append(kc.transpose(2, 3).contiguous())
             if self.sketch is not None:
                 self.sketch.append(kc)
             with self.scheduler.copy_stream(f"store:{self.spec.layer_idx}:{j % 2}"):
-                host_copy(self.host_k[:, :, a:b], kc)
-                host_copy(self.host_v[:, :, a:b], vc)
-                host_copy(self.host_kt[:, :, :, a:b], ktc)
-                if kc.is_cuda:  # made on the compute stream, read here: not reused before the copies are done
-                    for t in (kc, vc, ktc):
+                host_copy(self.host_kv[:, :, a:b], kvc)
+                if self.host_kt is not None:
+                    host_copy(self.host_kt[:, :, :, a:b], made[1])
+                if kvc.is_cuda:  # made on the compute stream, read here: not reused before the copies are done
+                    for t in made:
                         t.record_stream(torch.cuda.current_stream(t.device))
 
     def _tail_len(self) -> int:
