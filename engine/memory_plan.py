@@ -78,7 +78,7 @@ def estimate(cfg, settings: MethodSettings, layer_names: list[str], ctx: int, ba
     """The prefill's device peak of a tailorkv run at context ctx (the other methods are not modelled)."""
     sparse = layer_names.count("sparse")
     sketch = sparse * sketch_bytes(cfg, ctx, settings.sink, settings.sketch_bits, settings.group, batch) \
-        if settings.select == "sketch" else 0
+        if settings.sketched else 0
     other = (layer_names.count("quant") * quant_layer_bytes(cfg, ctx, settings.bits or 1, settings.group, batch,
                                                             dtype_bytes)
              + layer_names.count("full") * 2 * batch * cfg.n_kv_heads * ctx * cfg.head_dim * dtype_bytes
@@ -124,7 +124,7 @@ def plan_settings(settings: MethodSettings, cfg, family: dict, ctx: int, limit: 
     """For `run` and `bench`: tailorkv with --select sketch under a --gpu-mem-limit gets the plan's bits (unless
     the user chose them: then they are checked); -> (settings, the plan, whose message says what was chosen) or
     (settings, None) when there is nothing to plan."""
-    if settings.method != "tailorkv" or settings.select != "sketch" or not limit:
+    if settings.method != "tailorkv" or not settings.sketched or not limit:
         return settings, None
     from tailorkv.engine.methods import layer_policies
     names = layer_policies(settings, cfg.n_layers, family)

@@ -49,8 +49,10 @@ def method_options(fn):
         click.option("--quant-layers", default=None,
                      help=f"e.g. 0,1 (default: the model's profile; {_users('quant_layers')})"),
         click.option("--select", type=click.Choice(SELECT_MODES), default=d.select, show_default=True,
-                     help="sparse layers' scores: the paper's r channels of K^T from host memory (channels) or "
-                          f"a 1/2/4-bit key sketch kept on the device (sketch) ({_users('select')})"),
+                     help="sparse layers' scores: the paper's r channels of K^T from host memory (channels), "
+                          "a 1/2/4-bit key sketch kept on the device (sketch), or the sketch scored one layer "
+                          "early from the predicted query with the rows fetched meanwhile (sketch-ahead) "
+                          f"({_users('select')})"),
         click.option("--sketch-bits", type=click.Choice([str(b) for b in SKETCH_BITS]), default=str(d.sketch_bits),
                      show_default=True,
                      help=f"bits of the key sketch ({_users('sketch_bits')})"),

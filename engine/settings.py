@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, asdict
 
 METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
-SELECT_MODES = ("channels", "sketch")   # where a sparse layer's approximate scores come from
+SELECT_MODES = ("channels", "sketch", "sketch-ahead")  # where a sparse layer's approximate scores come from
 SKETCH_BITS = (1, 2, 4)                 # the key sketch's precision (4 bits: the torch scoring path)
 SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
 CHANNEL_RULES = ("paper", "max", "l2")   # how the r channels per KV head are chosen (ops/sparse_select.py)
@@ -44,6 +44,8 @@ class MethodSettings:
     # (the defaults: eval/results/2026-11-30-cpu-selection-rules)
     select: str = "channels"   # SELECT_MODES: channels = the paper's r channels of K^T fetched from host memory;
     #                            sketch = a low-bit copy of the middle's keys on the device scores every channel
+    #                            sketch-ahead = the same sketch scored one layer early from the predicted query,
+    #                            the chosen K/V rows gathered on the copy stream under the layer before's compute
     sketch_bits: int = 2       # bits of the sketch (SKETCH_BITS)
     quant_layers: list[int] | None = None  # None: from the model's profile
     own_query_below: float = 0.5  # sparse layers whose profiled q-hat cosine (one-layer-early prediction) is below
@@ -62,6 +64,11 @@ class MethodSettings:
     @property
     def topk(self) -> int:
         return max(0, self.budget - self.sink - self.recent)
+
+    @property
+    def sketched(self) -> bool:
+        """The sparse layers keep a key sketch on the device (--select sketch or sketch-ahead)."""
+        return self.select in ("sketch", "sketch-ahead")
 
     @property
     def combine_rule(self) -> str:

@@ -142,7 +142,7 @@ register_kernel("attend_decode", lambda: attention_cuda.load(attend_decode.refer
 def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.Tensor,
                             host_k: torch.Tensor | None, host_v: torch.Tensor | None, pos: torch.Tensor | None,
                             position: torch.Tensor, tail_start: torch.Tensor, sink: int, pos_offset: int = 0,
-                            sm_scale: float | None = None) -> torch.Tensor:
+                            sm_scale: float | None = None, rows_gathered: bool = False) -> torch.Tensor:
     """A sparse layer's decode attention (engine/policies/sparse.py) in one op: one fp32 softmax per query head
     over every held key of two sources, GQA without repeat_kv.
     q [B, Hq, 1, D]; dev_k, dev_v [B, Hkv, S + C, D]: device slots, slot s < S (= sink) held iff s <= p, slot
@@ -152,6 +152,8 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     S <= pos + pos_offset < tail_start, and then its K and V are row pos + pos_offset of host_k / host_v
     [B, Hkv, N, D] (pinned host memory). Rows that are not held are never read (this reference reads row 0, a
     sink, in their place and zeroes it). Products in the inputs' dtype, softmax in fp32 (as decode_attention).
+    rows_gathered: host_k / host_v [B, Hkv, K, D] hold the selected rows already (row j for pos[..., j], e.g.
+    gathered on the copy stream one layer early; on the device or pinned), held as above.
     -> [B, Hq, 1, D] in q's dtype; zeros where no key is held. This reference gathers the rows with gather_rows
     (no sync on a GPU); the kernel reads them inside the attention."""
     B, Hq, _, D = q.shape
@@ -165,9 +167,13 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     if pos is not None and pos.shape[-1] > 0:
         absolute = pos.to(dev) + pos_offset
         picked = (absolute >= sink) & (absolute < ts)
-        safe = torch.where(picked, absolute, 0).clamp_(0, host_k.shape[2] - 1)  # row 0 (a sink) stands in
-        keys = torch.cat([keys, gather_rows(host_k, safe, dev)], 2)
-        vals = torch.cat([vals, gather_rows(host_v, safe, dev)], 2)
+        if rows_gathered:
+            rows_k, rows_v = host_k.to(dev), host_v.to(dev)
+        else:
+            safe = torch.where(picked, absolute, 0).clamp_(0, host_k.shape[2] - 1)  # row 0 (a sink) stands in
+            rows_k, rows_v = gather_rows(host_k, safe, dev), gather_rows(host_v, safe, dev)
+        keys = torch.cat([keys, rows_k], 2)
+        vals = torch.cat([vals, rows_v], 2)
         valid = torch.cat([valid, picked], 2)
     keys = keys.masked_fill(~valid[..., None], 0)                  # never let a row that is not held in
     vals = vals.masked_fill(~valid[..., None], 0)

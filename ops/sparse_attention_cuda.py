@@ -1,6 +1,7 @@
 """CUDA kernel for sparse_decode_attention (ops/attention.py): a sparse layer's device slots and its selected
 rows of the pinned host store in one softmax, the host rows read zero-copy (UVA) inside the attention, so no
-gather, cat or mask tensors exist.
+gather, cat or mask tensors exist (or, with rows_gathered, the same rows gathered before into a [B, Hkv, K, D]
+buffer, read by slot).
 
 Pass 1: the keys (device slots, then the K selected positions) are split into contiguous chunks, one block
 per (chunk, batch, KV head); each warp takes every WARPS-th key of the chunk, decides from the device scalars
@@ -41,7 +42,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sparse_attend_partial(
         const long long hsh, const long long hsn, const long long N,
         const long long* __restrict__ pos, const long long psb, const long long psh, const int K,
         const long long offset, const long long* __restrict__ position, const long long* __restrict__ tail_start,
-        const int sink, const int Hkv, const int chunk, const float scale_log2,
+        const int sink, const int Hkv, const int chunk, const float scale_log2, const int by_slot,
         float* __restrict__ pm, float* __restrict__ pl, float* __restrict__ pacc) {{
     __shared__ float wm[WARPS][G], wl[WARPS][G];
     __shared__ float wacc[WARPS][G][D];
@@ -74,8 +75,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sparse_attend_partial(
         }} else {{
             const long long a = pos[b * psb + h * psh + (j - SC)] + offset;
             if (a < sink || a >= ts || a >= N) continue;
-            kp = hk + b * hsb + h * hsh + a * hsn;
-            vp = hv + b * hsb + h * hsh + a * hsn;
+            const long long row = by_slot ? (long long)(j - SC) : a;  // gathered rows, or the whole store
+            kp = hk + b * hsb + h * hsh + row * hsn;
+            vp = hv + b * hsb + h * hsh + row * hsn;
         }}
         float kf[CPL], vf[CPL];
         #pragma unroll
@@ -148,14 +150,14 @@ def load(reference):
     kernels = {}
 
     def sparse_decode_attention(q, dev_k, dev_v, host_k, host_v, pos, position, tail_start, sink,
-                                pos_offset=0, sm_scale=None):
+                                pos_offset=0, sm_scale=None, rows_gathered=False):
         """Kernel for bf16/fp16 inputs of one dtype, head dim 64 or 128, groups of at most 8 heads, unit channel
         stride, dev_k/dev_v and host_k/host_v each of one layout, host rows pinned or on the device, int64
         pos/position/tail_start on q's device. Else the reference."""
         B, Hq, one, D = q.shape
         Hkv, SC = dev_k.shape[1], dev_k.shape[2]
         K = 0 if pos is None else pos.shape[-1]
-        args = (q, dev_k, dev_v, host_k, host_v, pos, position, tail_start, sink, pos_offset, sm_scale)
+        args = (q, dev_k, dev_v, host_k, host_v, pos, position, tail_start, sink, pos_offset, sm_scale, rows_gathered)
         dev = q.device
         ok = (one == 1 and D in (64, 128) and Hkv > 0 and Hq % Hkv == 0 and Hq // Hkv <= 8
               and str(q.dtype) in ("torch.bfloat16", "torch.float16")
@@ -169,7 +171,7 @@ def load(reference):
                   and host_k.shape == host_v.shape and host_k.shape[:2] == (B, Hkv)
                   and all(t.is_pinned() or (t.is_cuda and t.device == dev) for t in (host_k, host_v))
                   and pos.dtype == torch.int64 and pos.device == dev and pos.shape == (B, Hkv, K)
-                  and pos.stride(-1) == 1)
+                  and pos.stride(-1) == 1 and (not rows_gathered or host_k.shape[2] == K))
         if not ok:
             return reference(*args)
         G = Hq // Hkv
@@ -191,7 +193,7 @@ def load(reference):
         if K > 0:
             hk, hv = host_k.data_ptr(), host_v.data_ptr()  # pinned memory under UVA: the host address works
             hs = host_k.stride()
-            N = host_k.shape[2]
+            N = host_k.shape[2] if not rows_gathered else 2**62  # gathered rows: no store length to check
             pst = (pos.stride(0), pos.stride(1))
             pos_ptr = ptr(pos)
         else:
@@ -204,7 +206,8 @@ def load(reference):
                 np.uint64(hk), np.uint64(hv), np.int64(hs[0]), np.int64(hs[1]), np.int64(hs[2]), np.int64(N),
                 pos_ptr, np.int64(pst[0]), np.int64(pst[1]), np.int32(K), np.int64(pos_offset),
                 ptr(position), ptr(tail_start), np.int32(sink), np.int32(Hkv), np.int32(chunk),
-                np.float32(scale * math.log2(math.e)), ptr(pm), ptr(pl), ptr(pacc)), dev)
+                np.float32(scale * math.log2(math.e)), np.int32(bool(rows_gathered)), ptr(pm), ptr(pl), ptr(pacc)),
+               dev)
         launch(merge, (B * Hkv * G,), (D,),
                (ptr(pm), ptr(pl), ptr(pacc), np.int32(chunks), np.int32(B * Hkv), ptr(out),
                 np.int64(out.stride(0)), np.int64(out.stride(1)), np.int32(Hkv)), dev)

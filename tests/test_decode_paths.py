@@ -63,7 +63,7 @@ def test_cuda_graph_decode_equals_eager(tiny):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("bits,select", [(1, "channels"), (2, "channels"), (1, "sketch")])
+@pytest.mark.parametrize("bits,select", [(1, "channels"), (2, "channels"), (1, "sketch"), (1, "sketch-ahead")])
 def test_cuda_graph_tailorkv_equals_eager(tmp_path, bits, select):
     """Quant layer 0 and sparse layers: flushes of the key residual and of the sparse tail happen between
     replays (commit), and the middle grows past a bucket: the graphs still equal eager steps. The sketch's
@@ -73,7 +73,7 @@ def test_cuda_graph_tailorkv_equals_eager(tmp_path, bits, select):
     s = MethodSettings("tailorkv", quant_layers=[0], bits=bits, budget=96, sink=8, recent=24, channels=8,
                        select=select)
     ids = torch.randint(3, 300, (1, 1100), device="cuda")
-    eager, graphed, n_graphs = _decode_both(lm, s, ids, 790 if select == "sketch" else 800, 1200)
+    eager, graphed, n_graphs = _decode_both(lm, s, ids, 790 if select.startswith("sketch") else 800, 1200)
     for a, b in zip(eager, graphed):  # the same kernels on the same inputs: bit-equal
         assert torch.equal(b, a)
     assert 1 <= n_graphs <= 8
@@ -105,7 +105,7 @@ def _decode_repeating(lm, settings, ids, n_prompt, max_len, repeats):
     return out
 
 
-@pytest.mark.parametrize("select", ["channels", "sketch"])
+@pytest.mark.parametrize("select", ["channels", "sketch", "sketch-ahead"])
 def test_decode_step_is_idempotent(tmp_path, select):
     """Running a step again changes nothing it reads: max|K| (the channel scores' statistic) is read before the
     step's own key joins it (the step at position p reads entry p % 2 and writes the other), flushes happen in

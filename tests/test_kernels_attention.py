@@ -309,6 +309,26 @@ def test_sparse_decode_attention_kernel_equals_reference(B, Hq, Hkv, D, sink, ca
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("B,Hq,Hkv,D,sink,cap,N,K,p,ts,dtype", [c for c in SPARSE_CASES if c[7] > 0])
+def test_sparse_decode_attention_kernel_reads_gathered_rows_by_slot(B, Hq, Hkv, D, sink, cap, N, K, p, ts, dtype):
+    """rows_gathered: the selected rows already in a [B, Hkv, K, D] device buffer (row j for pos[..., j], rows of
+    positions outside the middle poisoned with NaN, never read): the same output as reading the store in place."""
+    args = _sparse_case(B, Hq, Hkv, D, sink, cap, N, K, p, ts, dtype, SEED + N + K + 1)
+    q, dev_k, dev_v, host_k, host_v, pos, position, tail_start = args
+    idx = pos[..., None].expand(-1, -1, -1, D).cpu()
+    held = ((pos >= sink) & (pos < tail_start))[..., None]
+    rows_k = host_k.gather(2, idx.clamp_max(N - 1)).cuda().masked_fill(~held, float("nan"))
+    rows_v = host_v.gather(2, idx.clamp_max(N - 1)).cuda().masked_fill(~held, float("nan"))
+    want = sparse_decode_attention(*args, sink)
+    got = sparse_decode_attention(q, dev_k, dev_v, rows_k, rows_v, pos, position, tail_start, sink,
+                                  rows_gathered=True)
+    assert torch.equal(got, want)
+    ref = sparse_decode_attention.reference(q, dev_k, dev_v, rows_k, rows_v, pos, position, tail_start, sink,
+                                            rows_gathered=True)
+    assert torch.equal(ref, sparse_decode_attention.reference(*args, sink))
+
+
+@pytest.mark.cuda
 def test_sparse_decode_attention_kernel_follows_device_scalars_in_a_graph():
     B, Hq, Hkv, D, sink, cap, N, K = 1, 32, 8, 128, 64, 192, 8192, 896
     args = _sparse_case(B, Hq, Hkv, D, sink, cap, N, K, 8100, 8000, torch.bfloat16, SEED + 3)

@@ -15,7 +15,7 @@ import tailorkv.engine.policies.sparse as sparse
 from tailorkv.engine.cache import LayerSpec, ModelCache
 from tailorkv.engine.policies.full import FullCache
 from tailorkv.engine.policies.sparse import SparseOffloadCache
-from tailorkv.engine.policies.selection import ChannelSelector
+from tailorkv.engine.policies.selection import ChannelSelector, ObservedSelector
 from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.engine.step import fine_bucket
@@ -317,6 +317,36 @@ def test_sketch_big_budget_equals_full(gen, bits):
         pos += T
         mid = len(sp.regions()["middle"])
         assert sp.sketch.n == mid and len(sp.regions()["tail"]) < sp.cap
+
+
+def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(gen, small_flush):
+    """--select sketch-ahead: given the layer's own query as its prediction, every step equals --select sketch
+    (the rows come through the gathered buffers instead of the host store in place), across flushes; given
+    another query, the positions are the sketch's top-K for that query; with no prediction, the layer's own."""
+    B, hq, hkv, D = 1, 6, 2, 32
+    spec = spec_of(hq, hkv, D, B, max_len=600)
+    kw = dict(budget=8 + 40 + 16, sink=8, recent=16, sketch_bits=2)
+    ahead, sync = (One(SparseOffloadCache(spec, settings(**kw, select=m))) for m in ("sketch-ahead", "sketch"))
+    assert ahead.policy.selector.fetches_ahead and not sync.policy.selector.fetches_ahead
+    q, K, V = qkv(gen, B, hq, hkv, 300, D)
+    assert rel_err(ahead.attend(q, K, V, 0), sync.attend(q, K, V, 0)) < 1e-6
+    seen = []
+    ahead.policy.selector = ObservedSelector(ahead.policy.selector, lambda layer, q1, pos: seen.append(pos.clone()))
+    for p in range(300, 330):
+        q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
+        got = ahead.attend(q1, k1, v1, p, q_hat=q1 if p % 3 else None)
+        assert torch.equal(got, sync.attend(q1, k1, v1, p))
+    assert len(seen) == 30 and ahead.policy.selector.rows(ahead.policy) is not None
+    other = qkv(gen, B, hq, hkv, 1, D)[0]
+    q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
+    ahead.attend(q1, k1, v1, 330, q_hat=other)
+    lay = ahead.policy
+    want = topk_tokens(lay.sketch.scores(other, lay.middle_bucket, lay.tail_start_dev, 8, "lse"), 40) + 8
+    assert torch.equal(seen[-1].sort(-1).values, want.sort(-1).values)
+    D2 = lay.host_kv.shape[-1]
+    rows_k, rows_v = lay.selector.rows(lay)
+    assert torch.equal(rows_k, lay.host_k.gather(2, seen[-1][..., None].expand(-1, -1, -1, D2)))
+    assert torch.equal(rows_v, lay.host_v.gather(2, seen[-1][..., None].expand(-1, -1, -1, D2)))
 
 
 @pytest.mark.parametrize("bits", [2, 4])

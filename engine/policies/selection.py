@@ -18,6 +18,16 @@ from tailorkv.ops.sparse_select import (approx_scores, channel_scores, combine_h
 class TokenSelector:
     fetches_ahead = False  # True: prefetch() has work to start on the copy stream from the predicted query
 
+    def buffers(self, layer) -> dict:
+        """The scheduler buffers this selector fills for the layer's decode step: name -> (shape of this step,
+        the largest shape it will ever need, dtype) (SparseOffloadCache._plan_buffers)."""
+        return {}
+
+    def rows(self, layer):
+        """(K rows, V rows) [B, Hkv, K, D] of the selected positions when the selector gathered them into device
+        buffers; None: the attention reads them from the host store in place."""
+        return None
+
     def prefetch(self, layer, q_sel: torch.Tensor) -> None:
         """What can be fetched before the layer's own query exists, from q_sel (its prediction, or the query
         itself): runs on the copy stream while the layer before computes."""
@@ -37,6 +47,13 @@ class ChannelSelector(TokenSelector):
 
     def __init__(self, rule: str = "sum", channel_rule: str = "paper"):
         self.rule, self.channel_rule = rule, channel_rule
+
+    def buffers(self, layer):
+        s, n, most = layer.spec, layer.middle_bucket, layer.most_middle()
+        B, H, r = s.batch, s.n_kv_heads, layer.r
+        return {"kt_rows": ((B, H, r, n), (B * H * r * most,), s.dtype),
+                "scores": ((B, H, n), (B * H * most,), torch.float32),
+                "channels": ((B, H, r), (B * H * r,), torch.long)}
 
     def prefetch(self, layer, q_sel):
         """The r channels per KV head from q_sel and their K^T rows over the middle's bucket, into the layer's
@@ -78,6 +95,12 @@ class ObservedSelector(TokenSelector):
 
     def prefetch(self, layer, q_sel):
         self.inner.prefetch(layer, q_sel)
+
+    def buffers(self, layer):
+        return self.inner.buffers(layer)
+
+    def rows(self, layer):
+        return self.inner.rows(layer)
 
     def select(self, layer, q):
         pos = self.inner.select(layer, q)

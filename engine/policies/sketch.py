@@ -7,8 +7,7 @@ and min, codes packed into int32 words) over positions sink, sink + 1, ... of th
 any number of tokens, as on the paper's path (the tail keeps exactly `recent` prompt tokens): a partial last
 group is quantized over the tokens it has and again when it fills.
 At a decode step the query's scores over the sketch (`sketch_scores`: the packed-key attention kernel with the
-heads of a GQA group combined by the layer's rule in its epilogue) pick the top-K positions; nothing is fetched
-before the layer's own query exists.
+heads of a GQA group combined by the layer's rule in its epilogue) pick the top-K positions (SketchSelector).
 """
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import math
 import torch
 
 from tailorkv.engine.policies.selection import TokenSelector
+from tailorkv.ops.host_gather import gather_rows
 from tailorkv.ops.attention import softmax_scale
 from tailorkv.ops.quant import codes_per_word, quantize_keys
 from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
@@ -82,12 +82,46 @@ class KeySketch:
 
 
 class SketchSelector(TokenSelector):
-    def __init__(self, rule: str = "lse"):
-        self.rule = rule
+    """Scores over the sketch pick the top-K middle tokens per KV head. By default from the layer's own query,
+    inside the step; the attention then reads their K and V rows from the host store in place. ahead=True
+    (`--select sketch-ahead`): from the query predicted one layer early, on the copy stream while the layer
+    before computes, which also gathers the chosen rows into device buffers there (what that costs in recall:
+    eval/results/2026-11-30-cpu-prediction-variants). A layer that gets no prediction does the same from its
+    own query, inside the step."""
+
+    def __init__(self, rule: str = "lse", ahead: bool = False):
+        self.rule, self.ahead = rule, ahead
+        self.fetches_ahead = ahead
+
+    def buffers(self, layer):
+        if not self.ahead:
+            return {}
+        s, k = layer.spec, layer.topk
+        B, H, D = s.batch, s.n_kv_heads, s.head_dim
+        return {"positions": ((B, H, k), (B * H * k,), torch.long),
+                "rows": ((B, H, k, 2 * D), (B * H * k * 2 * D,), s.dtype)}
+
+    def prefetch(self, layer, q_sel):
+        if not self.ahead:
+            return
+        pos = layer.buffer("positions")
+        pos.copy_(self._pick(layer, q_sel))
+        B, H, N, _, D = layer.host_kv.shape
+        gather_rows(layer.host_kv.view(B, H, N, 2 * D), pos, q_sel.device, out=layer.buffer("rows"))
 
     def select(self, layer, q):
-        lo, n, k = layer.sink, layer.middle_bucket, layer.topk
         if layer.middle_whole:
             return layer.whole_middle(q)
+        return layer.buffer("positions") if self.ahead else self._pick(layer, q)
+
+    def rows(self, layer):
+        if not self.ahead or layer.middle_whole:
+            return None
+        r, D = layer.buffer("rows"), layer.spec.head_dim
+        return r[..., :D], r[..., D:]
+
+    def _pick(self, layer, q):
+        """Absolute positions [B, Hkv, K] of the top-K middle tokens by q's scores over the sketch."""
+        lo, n = layer.sink, layer.middle_bucket
         scores = layer.sketch.scores(q, n, layer.tail_start_dev, lo, self.rule)
-        return topk_tokens(scores, k) + lo
+        return topk_tokens(scores, layer.topk) + lo

@@ -61,9 +61,9 @@ class SparseOffloadCache(LayerCache):
             self.wants_query_prediction = False
         self.select_rule, self.channel_rule = settings.select_rule, settings.channel_rule  # what selector applies
         self.sketch = None
-        if settings.select == "sketch":
+        if settings.sketched:
             self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink)
-            self.selector = SketchSelector(settings.combine_rule)
+            self.selector = SketchSelector(settings.combine_rule, ahead=settings.select == "sketch-ahead")
         else:
             self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
@@ -174,7 +174,7 @@ class SparseOffloadCache(LayerCache):
                          "tokens_attended": self.held + step.n}
             return None
         self.middle_whole = 0 < mid <= self.topk
-        self.middle_bucket = min(fine_bucket(mid), self._most_middle()) if mid > self.topk else 0
+        self.middle_bucket = min(fine_bucket(mid), self.most_middle()) if mid > self.topk else 0
         self._plan_buffers()
         fetched = min(mid, self.topk)
         kt_rows = 0 if self.sketch is not None else self.r * self.middle_bucket
@@ -186,25 +186,20 @@ class SparseOffloadCache(LayerCache):
                      "middle_tokens": mid, "tokens_attended": on_device + fetched}
         return ("whole" if self.middle_whole else "none" if mid <= 0 else "select", self.middle_bucket)
 
-    def _most_middle(self) -> int:
+    def most_middle(self) -> int:
         """The largest middle bucket: the whole middle, or the sketch's whole groups covering it."""
         return self.spec.max_len - self.sink if self.sketch is None else self.sketch.capacity
 
     def _plan_buffers(self) -> None:
-        """Views of the scheduler's buffers (its set for this layer's parity) that this decode step fills.
-        The first request allocates each at the size the largest middle needs."""
-        s, n = self.spec, self.middle_bucket
-        B, H, most = s.batch, s.n_kv_heads, self._most_middle()
-        shapes = {"kt_rows": ((B, H, self.r, n), (B * H * self.r * most,), s.dtype),
-                  "scores": ((B, H, n), (B * H * most,), torch.float32),
-                  "channels": ((B, H, self.r), (B * H * self.r,), torch.long)}
+        """Views of the scheduler's buffers (its set for this layer's parity) that this decode step fills (the
+        selector's). The first request allocates each at the size the largest middle needs."""
         self._buffers = {}
-        for name, (shape, most_shape, dtype) in shapes.items():
+        for name, (shape, most_shape, dtype) in self.selector.buffers(self).items():
             full = self.scheduler.buffer(name, self.spec.layer_idx, most_shape, dtype)
             self._buffers[name] = full[:math.prod(shape)].view(shape)
 
     def buffer(self, name: str) -> torch.Tensor:
-        """This step's view of a scheduler buffer: channels, kt_rows, scores (_plan_buffers)."""
+        """This step's view of a scheduler buffer the selector asked for (_plan_buffers)."""
         return self._buffers[name]
 
     def run(self, q, k, v, step):
@@ -244,7 +239,11 @@ class SparseOffloadCache(LayerCache):
             elif prefetched:
                 self.scheduler.wait(self._fetched)
             pos = self.selector.select(self, q)                                          # [B, Hkv, K]
-        # one op: the device slots and the selected rows of the host store (read zero-copy, never gathered into
+            rows = self.selector.rows(self)
+            if rows is not None:  # gathered into device buffers by the selector
+                return sparse_decode_attention(q, self.dev_k, self.dev_v, *rows, pos, p, self.tail_start_dev, S,
+                                               rows_gathered=True)
+        # one op: the device slots and the selected rows of the host store (read zero-copy, not gathered into
         # buffers), each masked to what is held, in one fp32 softmax
         return sparse_decode_attention(q, self.dev_k, self.dev_v, self.host_k, self.host_v, pos, p,
                                        self.tail_start_dev, S)
