@@ -12,7 +12,7 @@ cp.async, three deep per warp. The MMA's k index runs over channels in the order
 k = (2c, 2c+1, 2c+8, 2c+9), so that every lane reads 4 adjacent channels (any order works if A and B agree).
 4-bit codes (the key sketch of `--select sketch`) take four bit planes, weighted 1, 2, 4, 8, two stages deep.
 
-`sketch_scores` is the same kernel with another epilogue: the G logits of each token (its query group, spread
+`sketch_scores` (ops/sketch_scores_cuda.py) is the same kernel with another epilogue: the G logits of each token (its query group, spread
 over the lanes of a quad column) are combined in registers, summed or by logsumexp, masked past a device-side
 end, and written once per KV head: no [Hq, T] logits in memory.
 """
@@ -248,7 +248,7 @@ def source(bits: int, d: int, s: int, mt: int, qdtype: torch.dtype, rule: int = 
                                     warps=WARPS, stages=stages(bits), rule=rule)
 
 
-def _supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
+def supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
     B, Hq, one, D = q.shape
     Hkv = k_codes.shape[1]
     if one != 1 or Hkv == 0 or Hq % Hkv or bits not in (1, 2, 4) or group != GROUP or D not in (64, 128):
@@ -265,10 +265,7 @@ def _supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
             and all(rows_contiguous(t, 2) and aligned(t, 16, (0, 1)) for t in (k_codes, k_scale, k_min)))
 
 
-RULES = {"sum": 1, "lse": 2}  # sketch_scores' combine rules the kernel takes (psum needs every token first)
-
-
-def _launcher():
+def launcher():
     kernels = {}
 
     def run(q, k_codes, k_scale, k_min, bits, sm_scale, out, rule=0, end=None, offset=0):
@@ -296,36 +293,16 @@ def _launcher():
 def load(reference):
     """reference: the torch qk_quant, for the arguments the kernel does not take."""
     compile_module(source(1, 128, 1, 1, torch.bfloat16)).get_function("qk_quant_kernel")  # fail early
-    run = _launcher()
+    run = launcher()
 
     def qk_quant(q, k_codes, k_scale, k_min, bits: int = 1, group: int = 64, sm_scale: float = 1.0):
         """Kernel for bits 1/2/4, group 64, head_dim 64/128, q fp16/bf16 (up to 32 query heads per KV head; 16 at
         4 bits and head_dim 128) or fp32 (up to 16), code/scale/min rows contiguous with 16-byte aligned heads;
         else the torch reference."""
-        if not _supported(q, k_codes, k_scale, k_min, bits, group):
+        if not supported(q, k_codes, k_scale, k_min, bits, group):
             return reference(q, k_codes, k_scale, k_min, bits, group, sm_scale)
         B, Hq, _, D = q.shape
         out = torch.empty(B, Hq, 1, k_codes.shape[2] * (32 // bits), dtype=torch.float32, device=q.device)
         return out if out.numel() == 0 else run(q, k_codes, k_scale, k_min, bits, sm_scale, out)
 
     return qk_quant
-
-
-def load_scores(reference):
-    """reference: the torch sketch_scores (ops/sparse_select.py)."""
-    compile_module(source(2, 128, 1, 1, torch.bfloat16, 2)).get_function("qk_quant_kernel")  # fail early
-    run = _launcher()
-
-    def sketch_scores(q, k_codes, k_scale, k_min, bits, group, end, offset=0, rule="lse", sm_scale=1.0):
-        """The kernel for qk_quant's arguments with rule sum or lse and a one-element int64 `end` on q's device;
-        else the torch reference."""
-        if (rule not in RULES or not _supported(q, k_codes, k_scale, k_min, bits, group)
-                or end.numel() != 1 or end.dtype != torch.int64 or end.device != q.device):
-            return reference(q, k_codes, k_scale, k_min, bits, group, end, offset, rule, sm_scale)
-        B, Hkv = q.shape[0], k_codes.shape[1]
-        out = torch.empty(B, Hkv, k_codes.shape[2] * (32 // bits), dtype=torch.float32, device=q.device)
-        if out.numel() == 0:
-            return out
-        return run(q, k_codes, k_scale, k_min, bits, sm_scale, out, RULES[rule], end, offset)
-
-    return sketch_scores

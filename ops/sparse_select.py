@@ -15,13 +15,13 @@ GQA: query head h belongs to KV head h // G (G = Hq // Hkv), so q [B, Hq, 1, D] 
 `--select sketch` scores the whole middle instead, from a low-bit copy of K on the device:
    sketch_scores:  q . dequant(sketch) per query head, masked past `end`, combined per KV head -> [B, Hkv, N]
 A CUDA kernel may replace each one through the dispatch rule (ops.dispatch); approx_scores (sum and lse) has one
-in ops/sparse_select_cuda.py, topk_tokens in ops/topk_cuda.py, sketch_scores (sum and lse) in ops/qk_quant_cuda.py.
+in ops/sparse_select_cuda.py, topk_tokens in ops/topk_cuda.py, sketch_scores (sum and lse) in ops/sketch_scores_cuda.py.
 """
 from __future__ import annotations
 
 import torch
 
-from tailorkv.ops import qk_quant_cuda, sparse_select_cuda, topk_cuda
+from tailorkv.ops import sketch_scores_cuda, sparse_select_cuda, topk_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 from tailorkv.ops.quant_attention import qk_quant
 
@@ -135,5 +135,5 @@ def topk_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 register_kernel("approx_scores", lambda: sparse_select_cuda.load_approx_scores(approx_scores.reference))
-register_kernel("sketch_scores", lambda: qk_quant_cuda.load_scores(sketch_scores.reference))
+register_kernel("sketch_scores", lambda: sketch_scores_cuda.load(sketch_scores.reference))
 register_kernel("topk_tokens", lambda: topk_cuda.load(topk_tokens.reference))
