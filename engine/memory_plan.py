@@ -4,7 +4,7 @@ The estimate is the prefill's peak (the largest moment of a run: measured on the
 tailorkv, 18.9 GiB; this model says 18.9): the weights, the prompt's activations while a layer attends (the
 residual stream, the stacked q/k/v projection and the attention output for every token, plus one MLP chunk's
 temporaries), and what the caches keep on the device: layer 0's packed codes, the sparse layers' sink and tail
-slots, the scheduler's K^T-row and score buffers and, with `--select sketch`, the sketch.
+slots, the scheduler's buffers (the selection's) and, with `--select sketch` or `sketch-ahead`, the sketch.
 
 The top-K budget costs no device memory here (the chosen rows are read from pinned host memory in place), so the
 planner chooses only the sketch's bits: the most, among those with a CUDA scoring kernel, that fit.
@@ -48,12 +48,18 @@ def quant_layer_bytes(cfg, ctx: int, bits: int, group: int, batch: int, dtype_by
 
 def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtype_bytes: int) -> int:
     """A sparse layer's sink and tail slots and max|K|, and its share of the scheduler's buffers (two sets
-    alternating by layer, each for the largest middle: K^T rows of r channels, fp32 scores)."""
+    alternating by layer, each for the largest step: the paper's K^T rows of r channels and fp32 scores over the
+    middle; sketch-ahead's top-K positions and gathered K/V rows; the synchronous sketch has none)."""
     from tailorkv.engine.policies.sparse import FLUSH
     hd, kv = cfg.head_dim, cfg.n_kv_heads
     slots = 2 * (settings.sink + settings.recent + FLUSH) * hd * dtype_bytes + 8 * hd
-    most = max(0, ctx - settings.sink)
-    buffers = most * (min(settings.channels, hd) * dtype_bytes + 4)
+    if settings.select == "sketch-ahead":
+        buffers = settings.topk * (8 + 2 * hd * dtype_bytes)
+    elif settings.sketched:
+        buffers = 0
+    else:
+        r = min(settings.channels, hd)
+        buffers = max(0, ctx - settings.sink) * (r * dtype_bytes + 4) + 8 * r  # + the r channel indices
     return batch * kv * slots + 2 * batch * kv * buffers // max(1, cfg.n_layers)
 
 

@@ -45,3 +45,25 @@ def test_only_tailorkv_with_a_sketch_and_a_limit_is_planned():
         assert plan_settings(s, LLAMA8B, family, 131072, limit, 2, chosen=False) == (s, None)
     s, plan = plan_settings(replace(TKV, select="sketch", sketch_bits=4), LLAMA8B, family, 131072, 20 * GIB, 2, False)
     assert s.sketch_bits == 1 and plan.message.startswith("memory plan: --sketch-bits 1")
+
+
+def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for():
+    """The sparse layers' scheduler buffers in the estimate are those each selector asks the scheduler for at the
+    largest step (two sets shared by all layers): the paper's K^T rows and scores over the middle, none for the
+    synchronous sketch, top-K positions and gathered K/V rows for sketch-ahead."""
+    import math
+    import torch
+    from tailorkv.engine.cache import LayerSpec
+    from tailorkv.engine.memory_plan import sparse_layer_bytes
+    from tailorkv.engine.policies.sparse import SparseOffloadCache
+    cfg = ModelConfig(name="small", dim=256, n_layers=4, n_heads=8, n_kv_heads=2, hidden_dim=512, vocab_size=100,
+                      max_context=2048)
+    ctx, base = 1000, MethodSettings(method="tailorkv", budget=96, sink=8, recent=24, channels=4)
+    spec = LayerSpec(1, 8, 2, cfg.head_dim, ctx, 1, torch.bfloat16, torch.device("cpu"))
+    none = sparse_layer_bytes(cfg, replace(base, select="sketch"), ctx, 1, 2)
+    for select in ("channels", "sketch", "sketch-ahead"):
+        s = replace(base, select=select)
+        layer = SparseOffloadCache(spec, s)
+        asked = sum(math.prod(most) * torch.empty(0, dtype=dt).element_size()
+                    for _, most, dt in layer.selector.buffers(layer).values())
+        assert sparse_layer_bytes(cfg, s, ctx, 1, 2) - none == 2 * asked // cfg.n_layers, select
