@@ -7,7 +7,7 @@ temporaries), and what the caches keep on the device: layer 0's packed codes, th
 slots, the scheduler's buffers (the selection's) and, with `--select sketch` or `sketch-ahead`, the sketch.
 
 The top-K budget costs no device memory here (the chosen rows are read from pinned host memory in place), so the
-planner chooses only the sketch's bits: the most, among those with a CUDA scoring kernel, that fit.
+planner chooses only the sketch's bits: the most of 2 and 1 that fit (4 when asked for).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from tailorkv.engine.settings import MethodSettings
 
-PLANNED_SKETCH_BITS = (2, 1)  # 4 bits only when asked for: its scoring runs the torch path
+PLANNED_SKETCH_BITS = (2, 1)  # 4 bits only when asked for: twice the memory and scored bytes of 2, speed unmeasured
 GIB = 2 ** 30
 
 

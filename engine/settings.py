@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, asdict
 
 METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
 SELECT_MODES = ("channels", "sketch", "sketch-ahead")  # where a sparse layer's approximate scores come from
-SKETCH_BITS = (1, 2, 4)                 # the key sketch's precision (4 bits: the torch scoring path)
+SKETCH_BITS = (1, 2, 4)                 # the key sketch's precision
 SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
 CHANNEL_RULES = ("paper", "max", "l2")   # how the r channels per KV head are chosen (ops/sparse_select.py)
 DEFAULT_BITS = 1  # quantized layers' bits when neither --bits nor the model's config ("bits") names them
