@@ -6,7 +6,8 @@ residual stream, the stacked q/k/v projection and the attention output for every
 temporaries), and what the caches keep on the device: layer 0's packed codes, the sparse layers' sink and tail
 slots, the scheduler's buffers (the selection's) and, with `--select sketch` or `sketch-ahead`, the sketch.
 
-The top-K budget costs no device memory here (the chosen rows are read from pinned host memory in place), so the
+The top-K budget costs next to no device memory (the chosen rows are read from pinned host memory in place, or, with
+sketch-ahead, gathered into two buffers of top-K rows), so the
 planner chooses only the sketch's bits: the most of 2 and 1 that fit (4 when asked for).
 """
 from __future__ import annotations
