@@ -176,17 +176,20 @@ def load(reference):
         if k == 0 or B * H == 0:
             return out
         rows, row_stride = B * H, np.int64(scores.stride(1) if H > 1 else scores.stride(0))
+
+        def select(n, cand, stretch, segs, dst):  # each of rows x segs blocks: the k best of its stretch into dst
+            launch(fn, (rows * segs,), (THREADS,), (ptr(scores), row_stride, np.int32(n), np.int32(k),
+                                                    ptr(cand) if cand is not None else np.uint64(0),
+                                                    np.int32(stretch), np.int32(segs), ptr(dst), np.int64(k)),
+                   scores.device)
+
         s = stretches(rows, N, k, torch.cuda.get_device_properties(scores.device).multi_processor_count)
         if s == 1:
-            launch(fn, (rows,), (THREADS,), (ptr(scores), row_stride, np.int32(N), np.int32(k), np.uint64(0),
-                                             np.int32(N), np.int32(1), ptr(out), np.int64(k)), scores.device)
+            select(N, None, N, 1, out)
             return out
-        stretch = -(-N // s)
         cand = torch.empty(rows, s, k, dtype=torch.int64, device=scores.device)
-        launch(fn, (rows * s,), (THREADS,), (ptr(scores), row_stride, np.int32(N), np.int32(k), np.uint64(0),
-                                             np.int32(stretch), np.int32(s), ptr(cand), np.int64(k)), scores.device)
-        launch(fn, (rows,), (THREADS,), (ptr(scores), row_stride, np.int32(s * k), np.int32(k), ptr(cand),
-                                         np.int32(s * k), np.int32(1), ptr(out), np.int64(k)), scores.device)
+        select(N, None, -(-N // s), s, cand)   # stage 1: the k best of each stretch
+        select(s * k, cand, s * k, 1, out)     # stage 2: the k best of the candidates
         return out
 
     return topk_tokens
