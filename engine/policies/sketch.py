@@ -91,7 +91,10 @@ class SketchSelector(TokenSelector):
 
     def __init__(self, rule: str = "lse", ahead: bool = False):
         self.rule, self.ahead = rule, ahead
-        self.fetches_ahead = ahead
+
+    @property
+    def fetches_ahead(self) -> bool:
+        return self.ahead
 
     def buffers(self, layer):
         if not self.ahead:
