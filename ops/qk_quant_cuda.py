@@ -12,9 +12,9 @@ cp.async, three deep per warp. The MMA's k index runs over channels in the order
 k = (2c, 2c+1, 2c+8, 2c+9), so that every lane reads 4 adjacent channels (any order works if A and B agree).
 4-bit codes (the key sketch of `--select sketch`) take four bit planes, weighted 1, 2, 4, 8, two stages deep.
 
-`sketch_scores` (ops/sketch_scores_cuda.py) is the same kernel with another epilogue: the G logits of each token (its query group, spread
-over the lanes of a quad column) are combined in registers, summed or by logsumexp, masked past a device-side
-end, and written once per KV head: no [Hq, T] logits in memory.
+`sketch_scores` (ops/sketch_scores_cuda.py) is the same kernel with another epilogue: the G logits of each token
+(its query group, spread over the lanes of a quad column) are combined in registers, summed or by logsumexp,
+masked past a device-side end, and written once per KV head: no [Hq, T] logits in memory.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""KIVI-style asymmetric min-max quantization at 1, 2 or 4 bits (torch references; the CUDA kernels of
-ops/quant_attention.py take 1 and 2 bits, the 4-bit key sketch of `--select sketch` runs these references).
+"""KIVI-style asymmetric min-max quantization at 1, 2 or 4 bits (torch references; the attention kernels of
+ops/quant_attention.py take 1 and 2 bits, qk_quant and sketch_scores also 4).
 
 Keys are quantized per channel: groups of `group` tokens along time, one fp16 scale and min per
 (head, token-group, channel). Values are quantized per token: groups of `group` channels along head_dim,
