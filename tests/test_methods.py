@@ -61,6 +61,13 @@ def test_selection_rules_are_settings_and_options():
         assert "--select-rule [paper|lse|psum]" in out and "--channel-rule [paper|max|l2]" in out, cmd
     r = CliRunner().invoke(main, ["run", "--select-rule", "sum", "-p", "hi"])
     assert r.exit_code == 2 and "'sum' is not one of 'paper', 'lse', 'psum'" in r.output
+    for cmd in ("run", "bench", "eval"):
+        assert "--select [channels|sketch|sketch-ahead]" in CliRunner().invoke(main, [cmd, "--help"]).output, cmd
+    r = CliRunner().invoke(main, ["run", "--select", "ahead", "-p", "hi"])
+    assert r.exit_code == 2 and "'ahead' is not one of 'channels', 'sketch', 'sketch-ahead'" in r.output
+    with pytest.raises(ValueError, match="--select ahead: use channels, sketch, sketch-ahead"):
+        MethodSettings(select="ahead").validate()
+    assert MethodSettings(select="sketch-ahead").sketched and not MethodSettings().sketched
 
 
 def test_layers_with_a_poor_prediction_select_from_their_own_query(tmp_path, monkeypatch):
