@@ -1,5 +1,5 @@
 """Device check and timing of every CUDA kernel of ops/ against its torch reference and the stock alternative.
-From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,approx]
+From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,approx,sketch]
 (`quant` stands for qk,av,qattn). For each kernel: max relative error against the reference on fresh random inputs at
 2-3 shapes (PASS/FAIL), then the time of one call (CUDA events around replays of a CUDA graph that holds several
 calls, inputs rotating over sets that together exceed the 60 MB L2; median of 50), the bytes it must move, the
@@ -22,9 +22,9 @@ from tailorkv.engine.results import environment, write_json
 from tailorkv.ops import dispatch
 from tailorkv.ops.attention import attend_decode
 from tailorkv.ops.host_gather import gather_rows
-from tailorkv.ops.quant import quantize_keys, quantize_values
+from tailorkv.ops.quant import quantize_keys, quantize_sketch, quantize_values
 from tailorkv.ops.quant_attention import av_quant, qk_quant
-from tailorkv.ops.sparse_select import approx_scores
+from tailorkv.ops.sparse_select import approx_scores, sketch_scores
 
 HBM, PCIE, L2_BYTES = 4300.0, 55.0, 60e6
 DEV = torch.device("cuda")
@@ -151,6 +151,39 @@ def bench_qk():
         total = packed + Hq * T * 4
         out.append(result(f"qk_quant {bits}-bit T=128k Hq=32 Hkv=8 D=128", checks, ms, mode, total, HBM,
                           "torch reference", base_ms, dict(packed_bytes=packed, packed_GBps=packed / ms / 1e6)))
+    return out
+
+
+def bench_sketch():
+    """sketch_scores (lse) over a key sketch against the qk_quant kernel over the same keys packed along time
+    (the kernel the sketch used before it had its own: plain logits, no combining)."""
+    out = []
+    B, Hq, Hkv, T, D = 1, 32, 8, 131072, 128
+    for bits in (1, 2, 4):
+        checks = []
+        for (b, hq, hkv, t, d, dt) in ((1, 32, 8, 4096, 128, torch.bfloat16), (2, 9, 3, 333, 64, torch.float32)):
+            k = randn(b, hkv, -(-t // 64) * 64, d) * torch.exp(randn(d))
+            keys = [x[:, :, :t] if i == 0 else x for i, x in enumerate(quantize_sketch(k, bits, 64))]
+            q = randn(b, hq, 1, d, dtype=dt)
+            end = torch.tensor(t - 5, device=DEV)
+            kern = kernel("sketch_scores", q, *keys)
+            got, want = kern(q, *keys, bits, 64, end, 0, "lse", 0.088), sketch_scores.reference(
+                q, *keys, bits, 64, end, 0, "lse", 0.088)
+            checks.append(check(f"({b}, {hq}, {hkv}, {t}, {d}) q {dt}", got[..., :t - 5], want[..., :t - 5], 1e-3))
+        packed = Hkv * T * D * (bits / 8 + 4 / 64)
+        sets = []
+        for _ in range(n_sets(packed)):
+            k = randn(B, Hkv, T, D) * torch.exp(randn(D))
+            sets.append((randn(B, Hq, 1, D, dtype=torch.bfloat16), quantize_sketch(k, bits, 64),
+                         quantize_keys(k, bits, 64)))
+        end = torch.tensor(T, device=DEV)
+        kern = kernel("sketch_scores", sets[0][0], *sets[0][1])
+        ms, mode = gpu_time([lambda s=s, bits=bits: kern(s[0], *s[1], bits, 64, end, 0, "lse", 0.088) for s in sets])
+        qk = kernel("qk_quant", sets[0][0], *sets[0][2])
+        base_ms, _ = gpu_time([lambda s=s, bits=bits: qk(s[0], *s[2], bits, 64, 0.088) for s in sets])
+        out.append(result(f"sketch_scores {bits}-bit lse T=128k Hq=32 Hkv=8 D=128", checks, ms, mode,
+                          packed + Hkv * T * 4, HBM, "qk_quant kernel (time-packed, no combining)", base_ms,
+                          dict(packed_bytes=packed, packed_GBps=packed / ms / 1e6)))
     return out
 
 
@@ -334,7 +367,7 @@ def bench_linear():
 
 
 BENCHES = {"linear": bench_linear, "gather": bench_gather, "qk": bench_qk, "av": bench_av, "qattn": bench_qattn, "attend": bench_attend,
-           "approx": bench_approx}
+           "approx": bench_approx, "sketch": bench_sketch}
 
 
 def main():

@@ -25,6 +25,14 @@ Packing: codes go LSB-first into int32 words, CPW = 32 // bits codes per word; c
 
 Requirements: keys T % group == 0 and group % CPW == 0; values D % group == 0 and D % CPW == 0 (callers use
 group = min(group, head_dim) for values).
+
+The key sketch of `--select sketch` (quantize_sketch) groups like the keys and packs like the values:
+
+    sketch  codes [B, H, T, D/CPW]   int32   token t is D/CPW contiguous words; a word's CPW channels sit
+                                             even ones in its low 16 bits, odd ones in its high 16 bits
+                                             (channel 2j at bits [j*bits, ..), 2j+1 at [16 + j*bits, ..)), so
+                                             one shift and one mask give a channel pair as two fp16 halves
+            scale, min [B, H, ceil(T/group), D]  fp16  (as for keys; T any length)
 """
 from __future__ import annotations
 
@@ -135,3 +143,35 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor
     B, H, T, D = c.shape
     x = _dequantize_along(c.reshape(B, H, T, D // group, group), scale, mn, 4)
     return x.reshape(B, H, T, D).to(dtype)
+
+
+def _sketch_order(bits: int, d: int) -> torch.Tensor:
+    """Channel at each packing slot of a sketch token: per word of CPW channels, the even ones, then the odd."""
+    cpw = codes_per_word(bits)
+    one = torch.cat([torch.arange(0, cpw, 2), torch.arange(1, cpw, 2)])
+    return (torch.arange(0, d, cpw)[:, None] + one).reshape(-1)
+
+
+@op("quantize_sketch")
+def quantize_sketch(k: torch.Tensor, bits: int = 2, group: int = 64):
+    """k [B, H, T, D], T % group == 0 -> (codes [B, H, T, D/CPW] int32 in the sketch's packing, scale and min
+    [B, H, T/group, D] fp16): quantize_keys' groups and values, packed per token."""
+    B, H, T, D = k.shape
+    if T % group or D % codes_per_word(bits):
+        raise ValueError(f"quantize_sketch: T={T} must be a multiple of group={group}, D={D} of {codes_per_word(bits)}")
+    codes, scale, mn = _quantize_along(k.float().reshape(B, H, T // group, group, D), 3, bits)
+    codes = codes.reshape(B, H, T, D)[..., _sketch_order(bits, D).to(k.device)]
+    return pack(codes, bits, dim=3), scale, mn
+
+
+@op("dequantize_sketch")
+def dequantize_sketch(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int = 2, group: int = 64,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize_sketch -> [B, H, T, D] in `dtype`, T = codes.shape[2] tokens (any T: the last
+    group may be partial; scale and min need ceil(T / group) rows)."""
+    packed = unpack(codes, bits, dim=3)
+    c = torch.empty_like(packed)
+    c[..., _sketch_order(bits, packed.shape[3]).to(codes.device)] = packed
+    T = c.shape[2]
+    sc = scale.float().repeat_interleave(group, 2)[:, :, :T]
+    return (c.float() * sc + mn.float().repeat_interleave(group, 2)[:, :, :T]).to(dtype)

@@ -1,31 +1,250 @@
-"""CUDA kernel for sketch_scores (ops/sparse_select.py): the packed-key attention kernel of ops/qk_quant_cuda.py
-with its combining epilogue (RULE 1: the sum of a token's query-group logits, 2: their logsumexp), masked from a
-device-side end on, one fp32 score per KV head and token."""
+"""CUDA kernel for sketch_scores (ops/sparse_select.py): one score per KV head and token over a key sketch
+(ops/quant.py's quantize_sketch layout), the group's query heads combined in registers (RULE 1: sum of the
+logits, 2: logsumexp), masked from a device-side end on.
+
+Tensor cores do the products (mma m16n8k16, fp16 in, fp32 accumulate), one warp per group of 64 tokens:
+    A [16 tokens x 16 channels] = the codes: a token's word holds even channels in its low half and odd ones in
+        its high half, so (word >> shift) & mask is a channel pair as two fp16 halves (the code as a subnormal,
+        code * 2^-24: exact, and one shift and one AND per pair);
+    B [16 channels x 8 query heads] = w = q * scale of the group, rounded to fp16 (q * 2^e and scale / 2^E are
+        normalised first so that w cannot overflow): 11 significant bits per channel's weight, the only rounding
+        besides fp32 accumulation;
+    the min term (q . min, exact: q * 2^e is exact in fp16 for a bf16/fp16 q) is an MMA per group that seeds the
+        accumulators.
+Compared with the qk_quant kernel (query heads as the MMA rows, one bit plane per MMA), this takes about a third
+of the instructions per token. The codes and the group's scales and mins are staged global -> shared with
+cp.async, STAGES deep per warp.
+"""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from tailorkv.ops.cuda_launch import compile_module
-from tailorkv.ops.qk_quant_cuda import launcher, supported, source
+from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr, rows_contiguous, units_per_block
+from tailorkv.ops.quant_common_cuda import C_TYPES, HELPERS
 
+WARPS, GROUP, SMEM_LIMIT = 4, 64, 48 * 1024
 RULES = {"sum": 1, "lse": 2}  # sketch_scores' combine rules the kernel takes (psum needs every token first)
+
+_SOURCE = r"""
+#define BITS {bits}
+#define D {d}
+#define G {g}
+#define RULE {rule}
+#define WARPS {warps}
+#define STAGES {stages}
+#define GROUP {group}
+typedef {qt} qtype;
+#define CPW (32 / BITS)
+#define WPT (D / CPW)               // words per token
+#define KT (D / 16)
+#define RPW (16 / BITS)             // channel pairs per word
+#define MASK ((BITS == 1 ? 1u : BITS == 2 ? 3u : 15u) * 0x00010001u)
+#define QL (G <= 2 ? 1 : G <= 4 ? 2 : 4)   // lanes of a quad that hold this group's heads (2 per lane)
+#define STAGE_WORDS (GROUP * WPT + D)       // codes, then D fp16 scales and D fp16 mins
+#define NEG_INF __int_as_float(0xff800000u)
+
+__device__ __forceinline__ unsigned h2u(__half2 h) {{ return *reinterpret_cast<unsigned*>(&h); }}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) sketch_scores_kernel(
+        const qtype* __restrict__ q, const long long qsb, const long long qsh,
+        const unsigned* __restrict__ codes, const long long csb, const long long csh,
+        const __half* __restrict__ scale, const long long ssb, const long long ssh,
+        const __half* __restrict__ mins, const long long msb, const long long msh,
+        float* __restrict__ out, const int Hkv, const int N, const int ngroups, const int groups_per_block,
+        const float sm_scale, const long long* __restrict__ end, const long long offset) {{
+    __shared__ __align__(16) unsigned stage[WARPS][STAGES][STAGE_WORDS];
+    const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const long long endv = *end;
+
+    // B operand of head g (zero past G): channels 16 kt + 2c, +1 (k = 2c, 2c+1) and 16 kt + 2c + 8, +9
+    float qv[KT][4];
+    float amax = 0.f;
+    #pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {{
+        const int ch = 16 * kt + 2 * c + (j & 1) + 8 * (j >> 1);
+        qv[kt][j] = g < G ? to_float(q[b * qsb + (long long)(kvh * G + g) * qsh + ch]) : 0.f;
+        amax = fmaxf(amax, fabsf(qv[kt][j]));
+    }}
+    #pragma unroll
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    int e = 0;  // q * 2^e has its largest |value| in [2^14, 2^15): exact in fp16 for a bf16/fp16 q
+    if (amax > 0.f) e = 14 - ilogbf(amax);
+    __half2 qh[KT][2];
+    #pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {{
+        qh[kt][0] = __floats2half2_rn(ldexpf(qv[kt][0], e), ldexpf(qv[kt][1], e));
+        qh[kt][1] = __floats2half2_rn(ldexpf(qv[kt][2], e), ldexpf(qv[kt][3], e));
+    }}
+
+    const unsigned* cbase = codes + b * csb + kvh * csh;
+    const __half* sbase = scale + b * ssb + kvh * ssh;
+    const __half* mbase = mins + b * msb + kvh * msh;
+    const int first = blockIdx.x * groups_per_block + warp;
+    const int last = min(ngroups, (blockIdx.x + 1) * groups_per_block);
+    const int mine = first < last ? (last - first + WARPS - 1) / WARPS : 0;
+
+    auto issue = [&](int i) {{
+        const int grp = first + i * WARPS;
+        unsigned* dst = stage[warp][i % STAGES];
+        const int ntok = min(GROUP, N - grp * GROUP);
+        stage_copy<16>(dst, cbase + (long long)grp * GROUP * WPT, GROUP * WPT * 4, ntok * WPT * 4, lane);
+        stage_copy<16>(dst + GROUP * WPT, sbase + (long long)grp * D, 2 * D, 2 * D, lane);
+        stage_copy<16>(dst + GROUP * WPT + D / 2, mbase + (long long)grp * D, 2 * D, 2 * D, lane);
+    }};
+    #pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {{ if (i < mine) issue(i); cp_async_commit(); }}
+
+    for (int i = 0; i < mine; ++i) {{
+        if (i + STAGES - 1 < mine) issue(i + STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const int grp = first + i * WARPS;
+        const unsigned* sc = stage[warp][i % STAGES];
+        const __half2* ss = reinterpret_cast<const __half2*>(sc + GROUP * WPT);
+        const __half2* sm = ss + D / 2;
+
+        // w = (q 2^e) * (scale 2^p) in fp16, p normalising the group's largest scale below 1
+        __half2 sv[KT][2];
+        __half2 mx = __float2half2_rn(0.f);
+        #pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {{
+            sv[kt][0] = ss[8 * kt + c];
+            sv[kt][1] = ss[8 * kt + 4 + c];
+            mx = __hmax2(mx, __hmax2(sv[kt][0], sv[kt][1]));
+        }}
+        float ms = fmaxf(__low2float(mx), __high2float(mx));
+        ms = fmaxf(ms, __shfl_xor_sync(0xffffffffu, ms, 1));
+        ms = fmaxf(ms, __shfl_xor_sync(0xffffffffu, ms, 2));
+        int p = 0;
+        if (ms > 0.f) p = min(-1 - ilogbf(ms), 15);
+        const __half2 p2 = __float2half2_rn(ldexpf(1.f, p));
+        unsigned wv[KT][2];
+        float seed[4] = {{0.f, 0.f, 0.f, 0.f}};
+        #pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {{
+            wv[kt][0] = h2u(__hmul2(__hmul2(sv[kt][0], p2), qh[kt][0]));
+            wv[kt][1] = h2u(__hmul2(__hmul2(sv[kt][1], p2), qh[kt][1]));
+            const unsigned m0 = h2u(sm[8 * kt + c]), m1 = h2u(sm[8 * kt + 4 + c]);
+            const unsigned a[4] = {{m0, m0, m1, m1}};
+            mma_f16(seed, a, h2u(qh[kt][0]), h2u(qh[kt][1]));   // q 2^e . min, every row
+        }}
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) seed[j] = ldexpf(seed[j], p - 24);
+        const float mult = ldexpf(sm_scale, 24 - p - e);
+
+        const int ntok = min(GROUP, N - grp * GROUP);
+        #pragma unroll
+        for (int t = 0; t < GROUP / 16; ++t) {{
+            if (16 * t >= ntok) break;
+            float acc[4] = {{seed[0], seed[1], seed[2], seed[3]}};
+            unsigned w0[WPT], w1[WPT];
+            const unsigned* r0 = sc + (16 * t + g) * WPT;
+            #pragma unroll
+            for (int k = 0; k < WPT; k += 2) {{  // rows are 8-byte aligned (WPT >= 2)
+                const uint2 x = *reinterpret_cast<const uint2*>(r0 + k), y = *reinterpret_cast<const uint2*>(r0 + 8 * WPT + k);
+                w0[k] = x.x; w0[k + 1] = x.y; w1[k] = y.x; w1[k + 1] = y.y;
+            }}
+            #pragma unroll
+            for (int kt = 0; kt < KT; ++kt) {{
+                // pairs 8 kt + c (k = 2c, 2c+1) and 8 kt + 4 + c (k = 2c+8, 2c+9) of the token's D / 2
+                const int k0 = (8 * kt) / RPW, k1 = (8 * kt + 4) / RPW;
+                const unsigned s0 = BITS * ((8 * kt) % RPW + c), s1 = BITS * ((8 * kt + 4) % RPW + c);
+                const unsigned a[4] = {{(w0[k0] >> s0) & MASK, (w1[k0] >> s0) & MASK,
+                                       (w0[k1] >> s1) & MASK, (w1[k1] >> s1) & MASK}};
+                mma_f16(acc, a, wv[kt][0], wv[kt][1]);
+            }}
+            // acc: tokens 16t + g (0, 1) and + 8 (2, 3); heads 2c (0, 2) and 2c + 1 (1, 3)
+            const bool h0 = 2 * c < G, h1 = 2 * c + 1 < G;
+            #pragma unroll
+            for (int tt = 0; tt < 2; ++tt) {{
+                const float v0 = acc[2 * tt] * mult, v1 = acc[2 * tt + 1] * mult;
+#if RULE == 1
+                float r = (h0 ? v0 : 0.f) + (h1 ? v1 : 0.f);
+                #pragma unroll
+                for (int o = 1; o < QL; o <<= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+#else
+                float m = fmaxf(h0 ? v0 : NEG_INF, h1 ? v1 : NEG_INF);
+                #pragma unroll
+                for (int o = 1; o < QL; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                float s = (h0 ? __expf(v0 - m) : 0.f) + (h1 ? __expf(v1 - m) : 0.f);
+                #pragma unroll
+                for (int o = 1; o < QL; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                float r = m + __logf(s);
+#endif
+                const int tok = grp * GROUP + 16 * t + 8 * tt + g;
+                if (offset + tok >= endv) r = NEG_INF;
+                if (c == 0 && tok < N) out[(long long)bh * N + tok] = r;
+            }}
+        }}
+        __syncwarp();
+    }}
+}}
+"""
+
+
+def stages(bits: int) -> int:
+    return 3 if bits < 4 else 2  # 4-bit groups are twice the words: two stages fit the shared memory
+
+
+def shared_bytes(bits: int, d: int) -> int:
+    return 4 * WARPS * stages(bits) * (GROUP * d * bits // 32 + d)
+
+
+def source(bits: int, d: int, g: int, qdtype: torch.dtype, rule: int) -> str:
+    return HELPERS + _SOURCE.format(bits=bits, d=d, g=g, rule=rule, qt=C_TYPES[str(qdtype)], warps=WARPS,
+                                    stages=stages(bits), group=GROUP)
+
+
+def supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
+    B, Hq, one, D = q.shape
+    Hkv = k_codes.shape[1]
+    if one != 1 or Hkv == 0 or Hq % Hkv or bits not in (1, 2, 4) or group != GROUP or D not in (64, 128):
+        return False
+    N = k_codes.shape[2]
+    return (str(q.dtype) in C_TYPES and Hq // Hkv <= 8 and shared_bytes(bits, D) <= SMEM_LIMIT
+            and q.stride(-1) == 1 and k_codes.dtype == torch.int32
+            and k_scale.dtype == torch.float16 and k_min.dtype == torch.float16
+            and k_codes.shape[:2] == (B, Hkv) and k_codes.shape[3] * (32 // bits) == D
+            and k_scale.shape[:2] == (B, Hkv) and k_scale.shape[3] == D and k_scale.shape[2] * group >= N
+            and k_min.shape == k_scale.shape
+            and all(t.is_cuda and t.device == q.device for t in (k_codes, k_scale, k_min))
+            and all(rows_contiguous(t, 2) and aligned(t, 16, (0, 1)) for t in (k_codes, k_scale, k_min)))
 
 
 def load(reference):
     """reference: the torch sketch_scores (ops/sparse_select.py)."""
-    compile_module(source(2, 128, 1, 1, torch.bfloat16, 2)).get_function("qk_quant_kernel")  # fail early
-    run = launcher()
+    compile_module(source(2, 128, 4, torch.bfloat16, 2)).get_function("sketch_scores_kernel")  # fail early
+    kernels = {}
 
     def sketch_scores(q, k_codes, k_scale, k_min, bits, group, end, offset=0, rule="lse", sm_scale=1.0):
-        """The kernel for qk_quant's arguments with rule sum or lse and a one-element int64 `end` on q's device;
-        else the torch reference."""
+        """The kernel for 1/2/4 bits, group 64, head_dim 64/128, up to 8 query heads per KV head, rule sum or
+        lse, a one-element int64 `end` on q's device, code/scale/min rows contiguous with 16-byte aligned
+        heads; else the torch reference."""
         if (rule not in RULES or not supported(q, k_codes, k_scale, k_min, bits, group)
                 or end.numel() != 1 or end.dtype != torch.int64 or end.device != q.device):
             return reference(q, k_codes, k_scale, k_min, bits, group, end, offset, rule, sm_scale)
-        B, Hkv = q.shape[0], k_codes.shape[1]
-        out = torch.empty(B, Hkv, k_codes.shape[2] * (32 // bits), dtype=torch.float32, device=q.device)
+        B, Hq, _, D = q.shape
+        Hkv, N = k_codes.shape[1], k_codes.shape[2]
+        out = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
         if out.numel() == 0:
             return out
-        return run(q, k_codes, k_scale, k_min, bits, sm_scale, out, RULES[rule], end, offset)
+        key = (bits, D, Hq // Hkv, q.dtype, RULES[rule])
+        if key not in kernels:
+            kernels[key] = compile_module(source(*key)).get_function("sketch_scores_kernel")
+        ngroups = -(-N // GROUP)
+        gpb = units_per_block(ngroups * B * Hkv, WARPS, q.device)
+        launch(kernels[key], (-(-ngroups // gpb), B * Hkv), (WARPS * 32,),
+               (ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
+                ptr(k_codes), np.int64(k_codes.stride(0)), np.int64(k_codes.stride(1)),
+                ptr(k_scale), np.int64(k_scale.stride(0)), np.int64(k_scale.stride(1)),
+                ptr(k_min), np.int64(k_min.stride(0)), np.int64(k_min.stride(1)),
+                ptr(out), np.int32(Hkv), np.int32(N), np.int32(ngroups), np.int32(gpb), np.float32(sm_scale),
+                ptr(end), np.int64(offset)), q.device)
+        return out
 
     return sketch_scores

@@ -14,6 +14,7 @@ GQA: query head h belongs to KV head h // G (G = Hq // Hkv), so q [B, Hq, 1, D] 
 4. topk_tokens:    the K best tokens per KV head                 -> [B, Hkv, K]
 `--select sketch` scores the whole middle instead, from a low-bit copy of K on the device:
    sketch_scores:  q . dequant(sketch) per query head, masked past `end`, combined per KV head -> [B, Hkv, N]
+   (the sketch: K quantized per channel over groups of tokens, packed per token; ops/quant.py)
 A CUDA kernel may replace each one through the dispatch rule (ops.dispatch); approx_scores (sum and lse) has one
 in ops/sparse_select_cuda.py, topk_tokens in ops/topk_cuda.py, sketch_scores (sum and lse) in ops/sketch_scores_cuda.py.
 """
@@ -23,7 +24,7 @@ import torch
 
 from tailorkv.ops import sketch_scores_cuda, sparse_select_cuda, topk_cuda
 from tailorkv.ops.dispatch import op, register_kernel
-from tailorkv.ops.quant_attention import qk_quant
+from tailorkv.ops.quant import dequantize_sketch
 
 CHANNEL_RULES = ("paper", "max", "l2")
 COMBINE_RULES = ("sum", "lse", "psum")
@@ -118,13 +119,16 @@ def combine_heads(scores: torch.Tensor, n_kv: int, rule: str = "lse", sm_scale: 
 def sketch_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_min: torch.Tensor, bits: int,
                   group: int, end: torch.Tensor, offset: int = 0, rule: str = "lse",
                   sm_scale: float = 1.0) -> torch.Tensor:
-    """q [B, Hq, 1, D] over packed keys (qk_quant's layout, N = the codes' tokens) -> [B, Hkv, N] fp32: the
-    scaled logits sm_scale * q_h . dequant(K), -inf where n + offset >= end (a one-element int64 tensor),
-    combined over each KV head's query heads by `rule` (combine_heads with sm_scale 1: the logits are scaled)."""
-    logits = qk_quant(q, k_codes, k_scale, k_min, bits, group, sm_scale)[:, :, 0]
-    n = torch.arange(logits.shape[-1], device=logits.device) + offset
+    """q [B, Hq, 1, D] over a key sketch (ops/quant.py's quantize_sketch layout, N = k_codes.shape[2] tokens)
+    -> [B, Hkv, N] fp32: the scaled logits sm_scale * q_h . dequant(K), -inf where n + offset >= end (a
+    one-element int64 tensor), combined over each KV head's query heads by `rule` (combine_heads with sm_scale 1:
+    the logits are scaled)."""
+    keys = dequantize_sketch(k_codes, k_scale, k_min, bits, group)                    # [B, Hkv, N, D]
+    B, Hkv, N, D = keys.shape
+    logits = (_grouped(q, Hkv) * sm_scale) @ keys.transpose(-1, -2)                    # [B, Hkv, G, N]
+    n = torch.arange(N, device=logits.device) + offset
     logits = logits.masked_fill(n >= end.reshape(()).to(logits.device), float("-inf"))
-    return combine_heads(logits, k_codes.shape[1], rule)
+    return combine_heads(logits.reshape(B, -1, N), Hkv, rule)
 
 
 @op("topk_tokens")

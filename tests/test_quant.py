@@ -90,6 +90,28 @@ def test_key_quant_error_bound(gen, bits):
     assert torch.allclose(scale.float(), rng, rtol=2e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("D", [64, 128])
+def test_sketch_is_the_key_quantization_packed_per_token(gen, bits, D):
+    """quantize_sketch: the same groups, scales, mins and codes as quantize_keys; each token's codes in D / CPW
+    words, channel 2j of a word at bits [j*bits, ..) and 2j+1 at [16 + j*bits, ..); any length dequantizes."""
+    from tailorkv.ops.quant import dequantize_sketch, quantize_sketch, unpack
+    k = rand(gen, 2, 3, 128, D) * 3
+    codes, scale, mn = quantize_sketch(k, bits, 64)
+    kc, ks, km = quantize_keys(k, bits, 64)
+    cpw = codes_per_word(bits)
+    assert codes.shape == (2, 3, 128, D // cpw) and torch.equal(scale, ks) and torch.equal(mn, km)
+    want = unpack(kc, bits, dim=2).long()                                   # [B, H, T, D] codes
+    words = codes.long() & 0xFFFFFFFF
+    for j in range(cpw // 2):
+        for half in (0, 1):
+            got = (words >> (16 * half + bits * j)) & ((1 << bits) - 1)     # [B, H, T, D / cpw]
+            assert torch.equal(got, want[..., 2 * j + half::cpw])
+    deq = dequantize_keys(kc, ks, km, bits, 64)
+    assert torch.equal(dequantize_sketch(codes, scale, mn, bits, 64), deq)
+    assert torch.equal(dequantize_sketch(codes[:, :, :100], scale, mn, bits, 64), deq[:, :, :100])
+
+
 @pytest.mark.parametrize("bits", [1, 2])
 @pytest.mark.parametrize("D", [64, 128])
 def test_value_quant_error_bound(gen, bits, D):

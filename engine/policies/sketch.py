@@ -2,8 +2,9 @@
 scores every channel of it, so only the chosen tokens' K and V rows cross PCIe (the paper's path fetches r rows
 of K^T over the whole middle at every step).
 
-The sketch is the KIVI key layout of ops/quant.py (per channel, groups of `group` tokens along time, fp16 scale
-and min, codes packed into int32 words) over positions sink, sink + 1, ... of the middle. The middle grows by
+The sketch is ops/quant.py's quantize_sketch (KIVI's key quantization: per channel, groups of `group` tokens
+along time, fp16 scale and min; the codes packed per token into int32 words) over positions sink, sink + 1, ...
+of the middle. The middle grows by
 any number of tokens, as on the paper's path (the tail keeps exactly `recent` prompt tokens): a partial last
 group is quantized over the tokens it has and again when it fills.
 At a decode step the query's scores over the sketch (`sketch_scores`: the packed-key attention kernel with the
@@ -18,7 +19,7 @@ import torch
 from tailorkv.engine.policies.selection import TokenSelector
 from tailorkv.ops.host_gather import gather_rows
 from tailorkv.ops.attention import softmax_scale
-from tailorkv.ops.quant import codes_per_word, quantize_keys
+from tailorkv.ops.quant import codes_per_word, quantize_sketch
 from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
 
 
@@ -37,7 +38,7 @@ class KeySketch:
     def shapes(batch: int, heads: int, head_dim: int, capacity: int, bits: int, group: int):
         """(positions held: the whole groups covering capacity, the codes' shape, the scales' and mins' shape)."""
         n = -(-capacity // group) * group
-        return n, (batch, heads, n // codes_per_word(bits), head_dim), (batch, heads, n // group, head_dim)
+        return n, (batch, heads, n, head_dim // codes_per_word(bits)), (batch, heads, n // group, head_dim)
 
     @classmethod
     def bytes_for(cls, batch: int, heads: int, head_dim: int, capacity: int, bits: int, group: int) -> int:
@@ -54,15 +55,15 @@ class KeySketch:
         m = k.shape[2]
         if not m:
             return
-        cpw, g = codes_per_word(self.bits), self.group
+        g = self.group
         r = self.n % g
         x = k if self.pending is None else torch.cat([self.pending, k], 2)
         a, t = self.n - r, r + m          # x holds positions a .. a + t - 1, a on a group boundary
         whole = -(-t // g) * g
         if whole > t:
             x = torch.cat([x, x[:, :, t - 1:t].expand(-1, -1, whole - t, -1)], 2)
-        codes, scale, mn = quantize_keys(x, self.bits, g)
-        self.codes[:, :, a // cpw:(a + whole) // cpw] = codes
+        codes, scale, mn = quantize_sketch(x, self.bits, g)
+        self.codes[:, :, a:a + whole] = codes
         self.scale[:, :, a // g:(a + whole) // g] = scale
         self.min[:, :, a // g:(a + whole) // g] = mn
         self.n += m
@@ -73,8 +74,8 @@ class KeySketch:
         """q [B, Hq, 1, D] -> [B, Hkv, n] fp32: the scaled logits over the first n sketched positions (n a
         multiple of the group), -inf from absolute position `end` on (positions past self.n hold stale or
         padded data), the group's heads combined by `rule`; position i of the sketch is absolute offset + i."""
-        cpw, g = codes_per_word(self.bits), self.group
-        return sketch_scores(q, self.codes[:, :, :n // cpw], self.scale[:, :, :n // g], self.min[:, :, :n // g],
+        g = self.group
+        return sketch_scores(q, self.codes[:, :, :n], self.scale[:, :, :n // g], self.min[:, :, :n // g],
                              self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]))
 
     def device_bytes(self) -> int:
