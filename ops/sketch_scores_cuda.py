@@ -44,9 +44,18 @@ typedef {qt} qtype;
 #define STAGE_WORDS (GROUP * WPT + D)       // codes, then D fp16 scales and D fp16 mins
 #define NEG_INF __int_as_float(0xff800000u)
 
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
 __device__ __forceinline__ unsigned h2u(__half2 h) {{ return *reinterpret_cast<unsigned*>(&h); }}
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) sketch_scores_kernel(
+// a channel pair's codes (in the low bits of each half) as two fp16 values: (1024 + code) - 1024, exact
+__device__ __forceinline__ unsigned code2(unsigned x) {{
+    x = (x & MASK) | 0x64006400u;
+    return h2u(__hsub2(*reinterpret_cast<const __half2*>(&x), __float2half2_rn(1024.f)));
+}}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel(
         const qtype* __restrict__ q, const long long qsb, const long long qsh,
         const unsigned* __restrict__ codes, const long long csb, const long long csh,
         const __half* __restrict__ scale, const long long ssb, const long long ssh,
@@ -131,54 +140,69 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sketch_scores_kernel(
             wv[kt][1] = h2u(__hmul2(__hmul2(sv[kt][1], p2), qh[kt][1]));
             const unsigned m0 = h2u(sm[8 * kt + c]), m1 = h2u(sm[8 * kt + 4 + c]);
             const unsigned a[4] = {{m0, m0, m1, m1}};
-            mma_f16(seed, a, h2u(qh[kt][0]), h2u(qh[kt][1]));   // q 2^e . min, every row
+            mma_f16(seed, a, h2u(qh[kt][0]), h2u(qh[kt][1]));   // q 2^e . min, in every row
         }}
         #pragma unroll
-        for (int j = 0; j < 4; ++j) seed[j] = ldexpf(seed[j], p - 24);
-        const float mult = ldexpf(sm_scale, 24 - p - e);
+        for (int j = 0; j < 4; ++j) seed[j] = ldexpf(seed[j], p);
+        const float mult = ldexpf(sm_scale * LOG2E, -p - e);   // logits in log2 units until the end
 
-        const int ntok = min(GROUP, N - grp * GROUP);
+        // the group's 4 tiles of 16 tokens side by side (4 independent MMA chains); past N the codes are zeros
+        float acc[4][4];
         #pragma unroll
-        for (int t = 0; t < GROUP / 16; ++t) {{
-            if (16 * t >= ntok) break;
-            float acc[4] = {{seed[0], seed[1], seed[2], seed[3]}};
-            unsigned w0[WPT], w1[WPT];
-            const unsigned* r0 = sc + (16 * t + g) * WPT;
+        for (int t = 0; t < 4; ++t)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) acc[t][j] = seed[j];
+        #pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {{
+            // pairs 8 kt + c (k = 2c, 2c+1) and 8 kt + 4 + c (k = 2c+8, 2c+9) of a token's D / 2
+            const int k0 = (8 * kt) / RPW, k1 = (8 * kt + 4) / RPW;
+            const unsigned s0 = BITS * ((8 * kt) % RPW + c), s1 = BITS * ((8 * kt + 4) % RPW + c);
             #pragma unroll
-            for (int k = 0; k < WPT; k += 2) {{  // rows are 8-byte aligned (WPT >= 2)
-                const uint2 x = *reinterpret_cast<const uint2*>(r0 + k), y = *reinterpret_cast<const uint2*>(r0 + 8 * WPT + k);
-                w0[k] = x.x; w0[k + 1] = x.y; w1[k] = y.x; w1[k + 1] = y.y;
+            for (int t = 0; t < 4; ++t) {{
+                const unsigned* r = sc + (16 * t + g) * WPT;
+                const unsigned a[4] = {{code2(r[k0] >> s0), code2(r[8 * WPT + k0] >> s0),
+                                       code2(r[k1] >> s1), code2(r[8 * WPT + k1] >> s1)}};
+                mma_f16(acc[t], a, wv[kt][0], wv[kt][1]);
             }}
-            #pragma unroll
-            for (int kt = 0; kt < KT; ++kt) {{
-                // pairs 8 kt + c (k = 2c, 2c+1) and 8 kt + 4 + c (k = 2c+8, 2c+9) of the token's D / 2
-                const int k0 = (8 * kt) / RPW, k1 = (8 * kt + 4) / RPW;
-                const unsigned s0 = BITS * ((8 * kt) % RPW + c), s1 = BITS * ((8 * kt + 4) % RPW + c);
-                const unsigned a[4] = {{(w0[k0] >> s0) & MASK, (w1[k0] >> s0) & MASK,
-                                       (w0[k1] >> s1) & MASK, (w1[k1] >> s1) & MASK}};
-                mma_f16(acc, a, wv[kt][0], wv[kt][1]);
-            }}
-            // acc: tokens 16t + g (0, 1) and + 8 (2, 3); heads 2c (0, 2) and 2c + 1 (1, 3)
-            const bool h0 = 2 * c < G, h1 = 2 * c + 1 < G;
-            #pragma unroll
-            for (int tt = 0; tt < 2; ++tt) {{
-                const float v0 = acc[2 * tt] * mult, v1 = acc[2 * tt + 1] * mult;
+        }}
+        // acc[t]: tokens 16t + g (0, 1) and + 8 (2, 3); heads 2c (0, 2) and 2c + 1 (1, 3)
+        const bool h0 = 2 * c < G, h1 = 2 * c + 1 < G;
+        float r[8];
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) {{
+            const float v0 = acc[i / 2][2 * (i % 2)] * mult, v1 = acc[i / 2][2 * (i % 2) + 1] * mult;
 #if RULE == 1
-                float r = (h0 ? v0 : 0.f) + (h1 ? v1 : 0.f);
-                #pragma unroll
-                for (int o = 1; o < QL; o <<= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+            r[i] = (h0 ? v0 : 0.f) + (h1 ? v1 : 0.f);
 #else
-                float m = fmaxf(h0 ? v0 : NEG_INF, h1 ? v1 : NEG_INF);
-                #pragma unroll
-                for (int o = 1; o < QL; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                float s = (h0 ? __expf(v0 - m) : 0.f) + (h1 ? __expf(v1 - m) : 0.f);
-                #pragma unroll
-                for (int o = 1; o < QL; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                float r = m + __logf(s);
+            r[i] = fmaxf(h0 ? v0 : NEG_INF, h1 ? v1 : NEG_INF);
+            acc[i / 2][2 * (i % 2)] = v0; acc[i / 2][2 * (i % 2) + 1] = v1;
 #endif
-                const int tok = grp * GROUP + 16 * t + 8 * tt + g;
-                if (offset + tok >= endv) r = NEG_INF;
-                if (c == 0 && tok < N) out[(long long)bh * N + tok] = r;
+        }}
+        #pragma unroll
+        for (int o = 1; o < QL; o <<= 1)
+        #pragma unroll
+        for (int i = 0; i < 8; ++i)
+            r[i] = RULE == 1 ? r[i] + __shfl_xor_sync(0xffffffffu, r[i], o) : fmaxf(r[i], __shfl_xor_sync(0xffffffffu, r[i], o));
+#if RULE == 2
+        float sum[8];
+        #pragma unroll
+        for (int i = 0; i < 8; ++i)
+            sum[i] = (h0 ? exp2f(acc[i / 2][2 * (i % 2)] - r[i]) : 0.f) + (h1 ? exp2f(acc[i / 2][2 * (i % 2) + 1] - r[i]) : 0.f);
+        #pragma unroll
+        for (int o = 1; o < QL; o <<= 1)
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], o);
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) r[i] = (r[i] + __log2f(sum[i])) * LN2;
+#else
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) r[i] *= LN2;
+#endif
+        if (c == 0) {{
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) {{
+                const int tok = grp * GROUP + 8 * i + g;   // tile i / 2, row g + 8 (i % 2)
+                if (tok < N) out[(long long)bh * N + tok] = offset + tok >= endv ? NEG_INF : r[i];
             }}
         }}
         __syncwarp();
