@@ -145,11 +145,13 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor
     return x.reshape(B, H, T, D).to(dtype)
 
 
-def _sketch_order(bits: int, d: int) -> torch.Tensor:
-    """Channel at each packing slot of a sketch token: per word of CPW channels, the even ones, then the odd."""
+def _sketch_order(bits: int, d: int, device) -> torch.Tensor:
+    """Channel at each packing slot of a sketch token: per word of CPW channels, the even ones, then the odd
+    (built on `device` with device ops, so a CUDA graph can capture it)."""
     cpw = codes_per_word(bits)
-    one = torch.cat([torch.arange(0, cpw, 2), torch.arange(1, cpw, 2)])
-    return (torch.arange(0, d, cpw)[:, None] + one).reshape(-1)
+    i = torch.arange(d, device=device)
+    p, half = i % cpw, cpw // 2
+    return i - p + torch.where(p < half, 2 * p, 2 * (p - half) + 1)
 
 
 @op("quantize_sketch")
@@ -160,7 +162,7 @@ def quantize_sketch(k: torch.Tensor, bits: int = 2, group: int = 64):
     if T % group or D % codes_per_word(bits):
         raise ValueError(f"quantize_sketch: T={T} must be a multiple of group={group}, D={D} of {codes_per_word(bits)}")
     codes, scale, mn = _quantize_along(k.float().reshape(B, H, T // group, group, D), 3, bits)
-    codes = codes.reshape(B, H, T, D)[..., _sketch_order(bits, D).to(k.device)]
+    codes = codes.reshape(B, H, T, D)[..., _sketch_order(bits, D, k.device)]
     return pack(codes, bits, dim=3), scale, mn
 
 
@@ -171,7 +173,7 @@ def dequantize_sketch(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor
     group may be partial; scale and min need ceil(T / group) rows)."""
     packed = unpack(codes, bits, dim=3)
     c = torch.empty_like(packed)
-    c[..., _sketch_order(bits, packed.shape[3]).to(codes.device)] = packed
+    c[..., _sketch_order(bits, packed.shape[3], codes.device)] = packed
     T = c.shape[2]
     sc = scale.float().repeat_interleave(group, 2)[:, :, :T]
     return (c.float() * sc + mn.float().repeat_interleave(group, 2)[:, :, :T]).to(dtype)
