@@ -1,7 +1,9 @@
 """CUDA kernel for gather_rows: reads the chosen rows of a pinned host tensor straight over PCIe (zero-copy,
 through the pointer UVA gives every pinned allocation), so the indices never leave the device and the step
-needs no sync. One thread block per gathered row; the copy width is the widest word (16, 8, 4, 2 or 1 bytes)
-that divides the row length, the strides and the base address."""
+needs no sync. The copy width is the widest word (16, 8, 4, 2 or 1 bytes) that divides the row length, the
+strides and the base address. A few blocks (MAX_BLOCKS) loop over all (row, word) items, each thread keeping
+UNROLL reads in flight: PCIe's latency is covered without holding an SM slot per row, so the gathers of
+`--select sketch-ahead` leave the SMs to the compute stream they run beside."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,18 +11,31 @@ import torch
 
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 
+MAX_BLOCKS, THREADS, UNROLL = 32, 256, 4
+
 _SOURCE = r"""
 extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, const unsigned long long idx_addr,
                                           const unsigned long long dst_addr, const int H, const int n,
                                           const long long sb, const long long sh, const long long sn,
-                                          const int words) {{
+                                          const int words, const int items) {{
     typedef {T} word;
-    const int row = blockIdx.x;                      // over B * H * n gathered rows
-    const int b = row / (H * n), h = (row / n) % H;
-    const long long i = ((const long long*)idx_addr)[row];
-    const word* src = (const word*)src_addr + b * sb + h * sh + i * sn;
-    word* dst = (word*)dst_addr + (long long)row * words;
-    for (int w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];
+    const word* src = (const word*)src_addr;
+    const long long* idx = (const long long*)idx_addr;
+    word* dst = (word*)dst_addr;
+    for (int base = blockIdx.x * blockDim.x * {U} + threadIdx.x; base < items; base += gridDim.x * blockDim.x * {U}) {{
+        word v[{U}];
+        #pragma unroll
+        for (int u = 0; u < {U}; ++u) {{   // item = row * words + word; row over B * H * n
+            const int it = base + u * blockDim.x;
+            if (it < items) {{
+                const int row = it / words, b = row / (H * n), h = (row / n) % H;
+                v[u] = src[b * sb + h * sh + idx[row] * sn + it % words];
+            }}
+        }}
+        #pragma unroll
+        for (int u = 0; u < {U}; ++u)
+            if (base + u * blockDim.x < items) dst[base + u * blockDim.x] = v[u];
+    }}
 }}
 """
 _WORDS = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
@@ -30,7 +45,7 @@ def load(reference):
     """reference: the torch gather_rows, for the arguments the kernel does not take."""
     import cupy
 
-    mod = compile_module("\n".join(_SOURCE.format(W=w, T=t) for w, t in _WORDS.items()))
+    mod = compile_module("\n".join(_SOURCE.format(W=w, T=t, U=UNROLL) for w, t in _WORDS.items()))
     kernels = {w: mod.get_function(f"gather_rows_w{w}") for w in _WORDS}
     if not cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["unifiedAddressing"]:
         raise RuntimeError("no unified addressing: pinned host pointers are not device pointers")
@@ -53,11 +68,15 @@ def load(reference):
         strides = [host.stride(0) * elt, host.stride(1) * elt, host.stride(2) * elt, X * elt, src]
         w = next(w for w in _WORDS if all(s % w == 0 for s in strides))
         idx64 = idx if idx.dtype == torch.int64 and idx.is_contiguous() else idx.to(torch.int64).contiguous()
-        threads = min(256, max(32, X * elt // w))
-        launch(kernels[w], (B * H * n,), (threads,),
+        words = X * elt // w
+        items = B * H * n * words
+        if items >= 2**31:
+            return reference(host, idx, device, out)
+        blocks = min(MAX_BLOCKS, -(-items // (THREADS * UNROLL)))
+        launch(kernels[w], (blocks,), (THREADS,),
                (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n),
                 np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),
-                np.int64(host.stride(2) * elt // w), np.int32(X * elt // w)), idx.device)
+                np.int64(host.stride(2) * elt // w), np.int32(words), np.int32(items)), idx.device)
         return out
 
     return gather_rows

@@ -203,7 +203,9 @@ class SparseOffloadCache(LayerCache):
         return self._buffers[name]
 
     def run(self, q, k, v, step):
-        self.q_hat = None  # a prediction serves one step only (predict_query started its prefetch)
+        # a prediction serves one step only; the copy stream may still read it, so it stays referenced until
+        # this step has queued its wait for the prefetch (else the compute stream could reuse its memory first)
+        q_hat, self.q_hat = self.q_hat, None  # noqa: F841
         prefetched, self.prefetched = self.prefetched, False
         if step.decode:
             return self._decode(q, k, v, prefetched, step.positions)
