@@ -1,8 +1,8 @@
 """CUDA kernel for gather_rows: reads the chosen rows of a pinned host tensor straight over PCIe (zero-copy,
 through the pointer UVA gives every pinned allocation), so the indices never leave the device and the step
 needs no sync. The copy width is the widest word (16, 8, 4, 2 or 1 bytes) that divides the row length, the
-strides and the base address. A few blocks (MAX_BLOCKS) loop over all (row, word) items, each thread keeping
-UNROLL reads in flight: PCIe's latency is covered without holding an SM slot per row, so the gathers of
+strides and the base address. A few blocks (MAX_BLOCKS, or one per row for rows longer than a block's reads)
+loop over all (row, word) items, each thread keeping UNROLL reads in flight: PCIe's latency is covered without holding an SM slot per row, so the gathers of
 `--select sketch-ahead` leave the SMs to the compute stream they run beside."""
 from __future__ import annotations
 
@@ -72,7 +72,9 @@ def load(reference):
         items = B * H * n * words
         if items >= 2**31:
             return reference(host, idx, device, out)
-        blocks = min(MAX_BLOCKS, -(-items // (THREADS * UNROLL)))
+        # short rows (the top-K's): MAX_BLOCKS; long ones (the K^T rows' 256 KiB): a block per row, as many as before
+        most = max(MAX_BLOCKS, B * H * n if words >= THREADS * UNROLL else 0)
+        blocks = min(most, -(-items // (THREADS * UNROLL)))
         launch(kernels[w], (blocks,), (THREADS,),
                (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n),
                 np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),
