@@ -2,8 +2,8 @@
 through the pointer UVA gives every pinned allocation), so the indices never leave the device and the step
 needs no sync. The copy width is the widest word (16, 8, 4, 2 or 1 bytes) that divides the row length, the
 strides and the base address. A few blocks (MAX_BLOCKS, or one per row for rows longer than a block's reads)
-loop over all (row, word) items, each thread keeping UNROLL reads in flight: PCIe's latency is covered without holding an SM slot per row, so the gathers of
-`--select sketch-ahead` leave the SMs to the compute stream they run beside."""
+loop over all (row, word) items, each thread keeping UNROLL reads in flight: PCIe's latency is covered without
+holding an SM slot per row, so the gathers of `--select sketch-ahead` leave the SMs to the compute stream."""
 from __future__ import annotations
 
 import numpy as np
