@@ -1,9 +1,11 @@
 """CUDA kernel for gather_rows: reads the chosen rows of a pinned host tensor straight over PCIe (zero-copy,
 through the pointer UVA gives every pinned allocation), so the indices never leave the device and the step
 needs no sync. The copy width is the widest word (16, 8, 4, 2 or 1 bytes) that divides the row length, the
-strides and the base address. A few blocks (MAX_BLOCKS, or one per row for rows longer than a block's reads)
-loop over all (row, word) items, each thread keeping UNROLL reads in flight: PCIe's latency is covered without
-holding an SM slot per row, so the gathers of `--select sketch-ahead` leave the SMs to the compute stream."""
+strides and the base address. Short rows (sketch-ahead's 512-byte K/V rows): a few blocks (MAX_BLOCKS) loop
+over all (row, word) items, each thread keeping UNROLL reads in flight, so PCIe's latency is covered without an SM
+slot per row and the SMs stay with the compute stream. Long rows (the paper's K^T rows): one block per row, one
+read per thread at a time (more reads in flight took PCIe from the attention's reads of host rows: 19.3 -> 22.7
+ms/token at 128k on the H200)."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,6 +40,20 @@ extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, c
     }}
 }}
 """
+_ROW_SOURCE = r"""
+extern "C" __global__ void gather_long_rows_w{W}(const unsigned long long src_addr,
+                                               const unsigned long long idx_addr, const unsigned long long dst_addr,
+                                               const int H, const int n, const long long sb, const long long sh,
+                                               const long long sn, const int words) {{
+    typedef {T} word;
+    const int row = blockIdx.x;                      // one block per gathered row, over B * H * n
+    const int b = row / (H * n), h = (row / n) % H;
+    const long long i = ((const long long*)idx_addr)[row];
+    const word* src = (const word*)src_addr + b * sb + h * sh + i * sn;
+    word* dst = (word*)dst_addr + (long long)row * words;
+    for (int w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];
+}}
+"""
 _WORDS = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 
 
@@ -45,8 +61,10 @@ def load(reference):
     """reference: the torch gather_rows, for the arguments the kernel does not take."""
     import cupy
 
-    mod = compile_module("\n".join(_SOURCE.format(W=w, T=t, U=UNROLL) for w, t in _WORDS.items()))
+    mod = compile_module("\n".join(src.format(W=w, T=t, U=UNROLL) for w, t in _WORDS.items()
+                                   for src in (_SOURCE, _ROW_SOURCE)))
     kernels = {w: mod.get_function(f"gather_rows_w{w}") for w in _WORDS}
+    row_kernels = {w: mod.get_function(f"gather_long_rows_w{w}") for w in _WORDS}
     if not cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["unifiedAddressing"]:
         raise RuntimeError("no unified addressing: pinned host pointers are not device pointers")
 
@@ -69,16 +87,19 @@ def load(reference):
         w = next(w for w in _WORDS if all(s % w == 0 for s in strides))
         idx64 = idx if idx.dtype == torch.int64 and idx.is_contiguous() else idx.to(torch.int64).contiguous()
         words = X * elt // w
+        strides = (np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),
+                   np.int64(host.stride(2) * elt // w))
+        if words >= THREADS * UNROLL:  # long rows (the K^T rows' 256 KiB): a block per row, a read per thread
+            launch(row_kernels[w], (B * H * n,), (THREADS,),
+                   (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words)),
+                   idx.device)
+            return out
         items = B * H * n * words
         if items >= 2**31:
             return reference(host, idx, device, out)
-        # short rows (the top-K's): MAX_BLOCKS; long ones (the K^T rows' 256 KiB): a block per row, as many as before
-        most = max(MAX_BLOCKS, B * H * n if words >= THREADS * UNROLL else 0)
-        blocks = min(most, -(-items // (THREADS * UNROLL)))
-        launch(kernels[w], (blocks,), (THREADS,),
-               (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n),
-                np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),
-                np.int64(host.stride(2) * elt // w), np.int32(words), np.int32(items)), idx.device)
+        launch(kernels[w], (min(MAX_BLOCKS, -(-items // (THREADS * UNROLL))),), (THREADS,),
+               (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words),
+                np.int32(items)), idx.device)
         return out
 
     return gather_rows
