@@ -18,6 +18,10 @@ from tailorkv.engine.settings import MethodSettings
 
 PLANNED_SKETCH_BITS = (2, 1)  # 4 bits only when asked for: twice the memory and scored bytes of 2, speed unmeasured
 GIB = 2 ** 30
+# Kept free beyond the estimate for the caching allocator's rounding and fragmentation: on the H200 a run whose
+# estimate was 19.6 GiB (Llama-3.1-8B shape, 128k, --select sketch-ahead at 1 bit) ran out of memory under a
+# 20.0 GiB cap (bench/results/2026-11-30-h200-eighth-session).
+HEADROOM = GIB // 2
 
 
 def weight_bytes(cfg, dtype_bytes: int) -> int:
@@ -105,19 +109,19 @@ class SketchPlan:
 def plan_sketch_bits(cfg, settings: MethodSettings, layer_names: list[str], ctx: int, limit: int,
                      batch: int = 1, dtype_bytes: int = 2, chosen: bool = False) -> SketchPlan:
     """The sketch's bits under a device memory limit: settings.sketch_bits when chosen by the user (checked),
-    else the most of PLANNED_SKETCH_BITS whose estimate fits (the fewest when none does)."""
+    else the most of PLANNED_SKETCH_BITS whose estimate fits with HEADROOM to spare (the fewest when none does)."""
     def at(bits):
         return estimate(cfg, replace(settings, sketch_bits=bits), layer_names, ctx, batch, dtype_bytes)
     cap = f"{limit / GIB:.1f} GiB"
     if chosen:
         est = at(settings.sketch_bits)
-        fits = est.total <= limit
+        fits = est.total + HEADROOM <= limit
         verdict = "fits" if fits else "does not fit: expect running out of memory (fewer --sketch-bits, or --select channels)"
         return SketchPlan(settings.sketch_bits, est, fits,
                           f"memory plan: --sketch-bits {settings.sketch_bits} needs ~{est.describe()}, {verdict} in {cap}")
     for bits in PLANNED_SKETCH_BITS:
         est = at(bits)
-        if est.total <= limit:
+        if est.total + HEADROOM <= limit:
             return SketchPlan(bits, est, True, f"memory plan: --sketch-bits {bits} chosen for {cap}: ~{est.describe()}")
     bits = PLANNED_SKETCH_BITS[-1]
     est = at(bits)

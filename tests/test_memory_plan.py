@@ -31,8 +31,10 @@ def test_sketch_bytes_are_the_key_sketch_buffers():
 def test_plan_takes_the_most_bits_that_fit():
     sk = replace(TKV, select="sketch")
     assert plan_sketch_bits(LLAMA8B, sk, NAMES, 131072, 24 * GIB).bits == 2
-    p = plan_sketch_bits(LLAMA8B, sk, NAMES, 131072, 20 * GIB)
+    p = plan_sketch_bits(LLAMA8B, sk, NAMES, 131072, int(20.5 * GIB))
     assert p.bits == 1 and p.fits and "--sketch-bits 1 chosen" in p.message
+    p = plan_sketch_bits(LLAMA8B, sk, NAMES, 131072, 20 * GIB)  # 1 bit: 19.6 GiB estimated, OOM on the H200
+    assert p.bits == 1 and not p.fits and "expect running out of memory" in p.message
     p = plan_sketch_bits(LLAMA8B, sk, NAMES, 131072, int(19.5 * GIB))
     assert not p.fits and "--select channels needs 18.9 GiB" in p.message
     p = plan_sketch_bits(LLAMA8B, replace(sk, sketch_bits=4), NAMES, 131072, 20 * GIB, chosen=True)
@@ -43,7 +45,8 @@ def test_only_tailorkv_with_a_sketch_and_a_limit_is_planned():
     family = {"quant_layers": [0]}
     for s, limit in ((TKV, 24 * GIB), (replace(TKV, select="sketch"), None), (MethodSettings(method="full"), GIB)):
         assert plan_settings(s, LLAMA8B, family, 131072, limit, 2, chosen=False) == (s, None)
-    s, plan = plan_settings(replace(TKV, select="sketch", sketch_bits=4), LLAMA8B, family, 131072, 20 * GIB, 2, False)
+    s, plan = plan_settings(replace(TKV, select="sketch", sketch_bits=4), LLAMA8B, family, 131072, int(20.5 * GIB), 2,
+                            False)
     assert s.sketch_bits == 1 and plan.message.startswith("memory plan: --sketch-bits 1")
 
 
