@@ -10,11 +10,8 @@ Tensor cores do the arithmetic (mma m16n8k16, fp16 in, fp32 accumulate), one war
 Each KV head's packed data is read once for its whole query group. Groups are staged global -> shared with
 cp.async, three deep per warp. The MMA's k index runs over channels in the order 16*kt + 4*c + (0, 1, 2, 3) for
 k = (2c, 2c+1, 2c+8, 2c+9), so that every lane reads 4 adjacent channels (any order works if A and B agree).
-4-bit codes (the key sketch of `--select sketch`) take four bit planes, weighted 1, 2, 4, 8, two stages deep.
-
-`sketch_scores` (ops/sketch_scores_cuda.py) is the same kernel with another epilogue: the G logits of each token
-(its query group, spread over the lanes of a quad column) are combined in registers, summed or by logsumexp,
-masked past a device-side end, and written once per KV head: no [Hq, T] logits in memory.
+4-bit codes take four bit planes, weighted 1, 2, 4, 8, two stages deep (the key sketch has its own kernel,
+ops/sketch_scores_cuda.py).
 """
 from __future__ import annotations
 
@@ -38,8 +35,6 @@ _SOURCE = r"""
 #define D {d}
 #define S {s}
 #define MT {mt}
-#define NEG_INF __int_as_float(0xff800000u)
-#define RULE {rule}                // 0: one logit per query head; 1: their sum per KV head; 2: their logsumexp
 typedef {qt} qtype;
 #define CPW (32 / BITS)
 #define KT (D / 16)
@@ -55,17 +50,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
         const __half* __restrict__ scale, const long long ssb, const long long ssh,
         const __half* __restrict__ mins, const long long msb, const long long msh,
         float* __restrict__ out, const int Hkv, const int G, const int nrows, const int ngroups,
-        const int groups_per_block, const float sm_scale, const long long* __restrict__ end,
-        const long long offset) {{
+        const int groups_per_block, const float sm_scale) {{
     __shared__ float qs[MT * 16][D];
     __shared__ __align__(16) unsigned stage[WARPS][STAGES][STAGE_WORDS];
     __shared__ float red[WARPS];
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long T = (long long)nrows * CPW;
-#if RULE
-    const long long endv = *end;
-#endif
 
     float amax = 0.f;
     for (int i = threadIdx.x; i < MT * 16 * D; i += blockDim.x) {{
@@ -187,42 +178,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
                     v[mt][j] = x * mult;
                 }}
                 const long long tok = tok0 + 8 * t + 2 * c;
-#if RULE == 0
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {{
                     const int h0 = mt * 16 + g, h1 = h0 + 8;
                     if (h0 < G) *reinterpret_cast<float2*>(out + ((long long)bh * G + h0) * T + tok) = make_float2(v[mt][0], v[mt][1]);
                     if (h1 < G) *reinterpret_cast<float2*>(out + ((long long)bh * G + h1) * T + tok) = make_float2(v[mt][2], v[mt][3]);
                 }}
-#else
-                float r[2];
-                #pragma unroll
-                for (int jj = 0; jj < 2; ++jj) {{  // token tok + jj: rows h0 (v[.][jj]) and h1 (v[.][2 + jj])
-                    float m = NEG_INF, sum = 0.f;
-                    #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-                    #pragma unroll
-                    for (int half = 0; half < 2; ++half)
-                        if (mt * 16 + half * 8 + g < G) {{
-                            const float x = v[mt][2 * half + jj];
-                            if (RULE == 1) sum += x; else m = fmaxf(m, x);
-                        }}
-                    if (RULE == 2) {{
-                        #pragma unroll
-                        for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                        #pragma unroll
-                        for (int mt = 0; mt < MT; ++mt)
-                        #pragma unroll
-                        for (int half = 0; half < 2; ++half)
-                            if (mt * 16 + half * 8 + g < G) sum += expf(v[mt][2 * half + jj] - m);
-                    }}
-                    #pragma unroll
-                    for (int o = 4; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-                    r[jj] = RULE == 2 ? m + logf(sum) : sum;
-                    if (offset + tok + jj >= endv) r[jj] = NEG_INF;
-                }}
-                if (g == 0) *reinterpret_cast<float2*>(out + (long long)bh * T + tok) = make_float2(r[0], r[1]);
-#endif
             }}
         }}
         __syncwarp();
@@ -243,9 +204,9 @@ def shared_bytes(bits: int, d: int, mt: int) -> int:
     return 4 * (mt * 16 * d + WARPS * stages(bits) * (rows * d + d) + WARPS)
 
 
-def source(bits: int, d: int, s: int, mt: int, qdtype: torch.dtype, rule: int = 0) -> str:
+def source(bits: int, d: int, s: int, mt: int, qdtype: torch.dtype) -> str:
     return HELPERS + _SOURCE.format(bits=bits, d=d, s=s, mt=mt, qt=C_TYPES[str(qdtype)], group=GROUP,
-                                    warps=WARPS, stages=stages(bits), rule=rule)
+                                    warps=WARPS, stages=stages(bits))
 
 
 def supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
@@ -268,12 +229,12 @@ def supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
 def launcher():
     kernels = {}
 
-    def run(q, k_codes, k_scale, k_min, bits, sm_scale, out, rule=0, end=None, offset=0):
+    def run(q, k_codes, k_scale, k_min, bits, sm_scale, out):
         B, Hq, _, D = q.shape
         Hkv, nrows = k_codes.shape[1], k_codes.shape[2]
         G = Hq // Hkv
         s, mt = (2 if q.dtype == torch.float32 else 1), -(-G // 16)
-        key = (bits, D, s, mt, q.dtype, rule)
+        key = (bits, D, s, mt, q.dtype)
         if key not in kernels:
             kernels[key] = compile_module(source(*key)).get_function("qk_quant_kernel")
         ngroups = -(-nrows // (GROUP * bits // 32))
@@ -284,7 +245,7 @@ def launcher():
                 ptr(k_scale), np.int64(k_scale.stride(0)), np.int64(k_scale.stride(1)),
                 ptr(k_min), np.int64(k_min.stride(0)), np.int64(k_min.stride(1)),
                 ptr(out), np.int32(Hkv), np.int32(G), np.int32(nrows), np.int32(ngroups), np.int32(gpb),
-                np.float32(sm_scale), ptr(end) if end is not None else np.uint64(0), np.int64(offset)), q.device)
+                np.float32(sm_scale)), q.device)
         return out
 
     return run
