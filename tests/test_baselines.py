@@ -350,7 +350,7 @@ def test_quest_picks_the_page_with_a_planted_key(gen, hq, hkv):
     G = hq // hkv
     planted = {h: 33 + 16 * h for h in range(hkv)}  # a different page per KV head
     for h, p in planted.items():
-        K[:, h, p] = 10 * Q[:, h * G, L]  # strong for the group's first query head (5x lost to a page bound 1 seed in 60)
+        K[:, h, p] = 10 * Q[:, h * G, L]  # the group's first head (5x lost 1 seed in 60)
     outs = list(feed([cache, full], Q, K, V, [(0, L), (L, L + 1)]))
     idx = cache.selected
     assert idx.shape[2] <= budget and cache.stats()["tokens_attended"] == idx.shape[2]
