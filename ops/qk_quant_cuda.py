@@ -209,7 +209,7 @@ def source(bits: int, d: int, s: int, mt: int, qdtype: torch.dtype) -> str:
                                     warps=WARPS, stages=stages(bits))
 
 
-def supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
+def _supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
     B, Hq, one, D = q.shape
     Hkv = k_codes.shape[1]
     if one != 1 or Hkv == 0 or Hq % Hkv or bits not in (1, 2, 4) or group != GROUP or D not in (64, 128):
@@ -226,7 +226,9 @@ def supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
             and all(rows_contiguous(t, 2) and aligned(t, 16, (0, 1)) for t in (k_codes, k_scale, k_min)))
 
 
-def launcher():
+def load(reference):
+    """reference: the torch qk_quant, for the arguments the kernel does not take."""
+    compile_module(source(1, 128, 1, 1, torch.bfloat16)).get_function("qk_quant_kernel")  # fail early
     kernels = {}
 
     def run(q, k_codes, k_scale, k_min, bits, sm_scale, out):
@@ -248,19 +250,11 @@ def launcher():
                 np.float32(sm_scale)), q.device)
         return out
 
-    return run
-
-
-def load(reference):
-    """reference: the torch qk_quant, for the arguments the kernel does not take."""
-    compile_module(source(1, 128, 1, 1, torch.bfloat16)).get_function("qk_quant_kernel")  # fail early
-    run = launcher()
-
     def qk_quant(q, k_codes, k_scale, k_min, bits: int = 1, group: int = 64, sm_scale: float = 1.0):
         """Kernel for bits 1/2/4, group 64, head_dim 64/128, q fp16/bf16 (up to 32 query heads per KV head; 16 at
         4 bits and head_dim 128) or fp32 (up to 16), code/scale/min rows contiguous with 16-byte aligned heads;
         else the torch reference."""
-        if not supported(q, k_codes, k_scale, k_min, bits, group):
+        if not _supported(q, k_codes, k_scale, k_min, bits, group):
             return reference(q, k_codes, k_scale, k_min, bits, group, sm_scale)
         B, Hq, _, D = q.shape
         out = torch.empty(B, Hq, 1, k_codes.shape[2] * (32 // bits), dtype=torch.float32, device=q.device)
