@@ -25,6 +25,7 @@ import torch
 from tailorkv.ops import sketch_scores_cuda, sparse_select_cuda, topk_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 from tailorkv.ops.quant import dequantize_sketch
+from tailorkv.ops.quant_attention import CHUNK
 
 CHANNEL_RULES = ("paper", "max", "l2")
 COMBINE_RULES = ("sum", "lse", "psum")
@@ -123,9 +124,14 @@ def sketch_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
     -> [B, Hkv, N] fp32: the scaled logits sm_scale * q_h . dequant(K), -inf where n + offset >= end (a
     one-element int64 tensor), combined over each KV head's query heads by `rule` (combine_heads with sm_scale 1:
     the logits are scaled)."""
-    keys = dequantize_sketch(k_codes, k_scale, k_min, bits, group)                    # [B, Hkv, N, D]
-    B, Hkv, N, D = keys.shape
-    logits = (_grouped(q, Hkv) * sm_scale) @ keys.transpose(-1, -2)                    # [B, Hkv, G, N]
+    B, Hkv, N = k_codes.shape[:3]
+    qg = _grouped(q, Hkv) * sm_scale                                                  # [B, Hkv, G, D]
+    logits = torch.empty(B, Hkv, qg.shape[2], N, dtype=torch.float32, device=q.device)
+    for s in range(0, N, CHUNK):  # CHUNK tokens dequantized at once, a multiple of the group
+        e = min(N, s + CHUNK)
+        keys = dequantize_sketch(k_codes[:, :, s:e], k_scale[:, :, s // group:-(-e // group)],
+                                 k_min[:, :, s // group:-(-e // group)], bits, group)
+        logits[..., s:e] = qg @ keys.transpose(-1, -2)
     n = torch.arange(N, device=logits.device) + offset
     logits = logits.masked_fill(n >= end.reshape(()).to(logits.device), float("-inf"))
     return combine_heads(logits.reshape(B, -1, N), Hkv, rule)
