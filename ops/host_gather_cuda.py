@@ -83,8 +83,8 @@ def load(reference):
         if out.numel() == 0:
             return out
         src = host.data_ptr()  # pinned memory under UVA: the host address is the device address
-        strides = [host.stride(0) * elt, host.stride(1) * elt, host.stride(2) * elt, X * elt, src]
-        w = next(w for w in _WORDS if all(s % w == 0 for s in strides))
+        byte_steps = [host.stride(0) * elt, host.stride(1) * elt, host.stride(2) * elt, X * elt, src]
+        w = next(w for w in _WORDS if all(s % w == 0 for s in byte_steps))
         idx64 = idx if idx.dtype == torch.int64 and idx.is_contiguous() else idx.to(torch.int64).contiguous()
         words = X * elt // w
         strides = (np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),

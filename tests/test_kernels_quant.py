@@ -41,16 +41,17 @@ def plain_values(codes, scale, mn, bits, group):
     return c * scale.float().repeat_interleave(group, 3) + mn.float().repeat_interleave(group, 3)
 
 
-def random_keys(g, B, H, T, D, bits, device):
-    """Packed keys of T tokens (T a multiple of 32 / bits): quantized real data for the full groups, plus a
-    random partial group."""
-    cpw, Tq = codes_per_word(bits), T - T % 64
+def random_keys(g, B, H, T, D, bits, device, sketch=False):
+    """Packed keys of T tokens (a multiple of 32 / bits; any T for a sketch) in quantize_keys' layout, or in
+    quantize_sketch's: quantized real data for the whole groups, then random codes, scales and mins for a
+    partial group."""
+    Tq = T - T % 64
     k = torch.randn(B, H, Tq, D, generator=g) * torch.exp(torch.randn(D, generator=g))
-    kc, ks, km = quantize_keys(k, bits, 64)
-    extra = T - Tq
-    if extra:
-        kc = torch.cat([kc, torch.randint(-2**31, 2**31, (B, H, extra // cpw, D), generator=g, dtype=torch.int64)
-                        .to(torch.int32)], 2)
+    kc, ks, km = (quantize_sketch if sketch else quantize_keys)(k, bits, 64)
+    if T > Tq:
+        rows = T - Tq if sketch else (T - Tq) // codes_per_word(bits)   # a token's row / a word row per CPW tokens
+        extra = torch.randint(-2**31, 2**31, (B, H, rows, kc.shape[3]), generator=g, dtype=torch.int64)
+        kc = torch.cat([kc, extra.to(torch.int32)], 2)
         ks = torch.cat([ks, torch.rand(B, H, 1, D, generator=g).half()], 2)
         km = torch.cat([km, -torch.rand(B, H, 1, D, generator=g).half()], 2)
     return kc.to(device), ks.to(device), km.to(device)
@@ -105,20 +106,6 @@ SKETCH_CASES = [  # (bits, B, Hq, Hkv, T, D, q dtype, rule)
 ]
 
 
-def random_sketch(g, B, H, T, D, bits, device):
-    """A key sketch of T tokens (any T): quantized real data for the whole groups, then random codes, scales and
-    mins for a partial group."""
-    Tq = T - T % 64
-    k = torch.randn(B, H, Tq, D, generator=g) * torch.exp(torch.randn(D, generator=g))
-    kc, ks, km = quantize_sketch(k, bits, 64)
-    if T > Tq:
-        extra = torch.randint(-2**31, 2**31, (B, H, T - Tq, kc.shape[3]), generator=g, dtype=torch.int64)
-        kc = torch.cat([kc, extra.to(torch.int32)], 2)
-        ks = torch.cat([ks, torch.rand(B, H, 1, D, generator=g).half()], 2)
-        km = torch.cat([km, -torch.rand(B, H, 1, D, generator=g).half()], 2)
-    return kc.to(device), ks.to(device), km.to(device)
-
-
 def sketch_mirror(q, kc, ks, km, bits, end, offset, rule, sm):
     """The kernel's arithmetic in float64: w = fp16(q 2^e) * fp16(scale 2^p) rounded to fp16 (e per KV head from
     max |q|, p per group from its largest scale), the codes and mins exact."""
@@ -151,7 +138,7 @@ def test_sketch_scores_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype, ru
     weight q * scale in fp16), and within 1e-3 of the exact torch reference."""
     from tailorkv.ops.sparse_select import sketch_scores
     g = torch.Generator().manual_seed(SEED + T + hq + bits + 11)
-    kc, ks, km = random_sketch(g, B, hkv, T + 256, D, bits, "cuda")
+    kc, ks, km = random_keys(g, B, hkv, T + 256, D, bits, "cuda", sketch=True)
     q = (torch.randn(B, hq, 1, D, generator=g) * 3).to("cuda", dtype)
     kernel = dispatch.kernel_for("sketch_scores", q, kc, ks, km)
     assert kernel is not None, "the sketch_scores kernel did not load (CuPy missing?)"
