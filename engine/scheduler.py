@@ -32,6 +32,8 @@ class Scheduler:
         self._copy = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY) if self.overlap else None
         self._events: dict[str, torch.cuda.Event] = {}
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._staging: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._staging_turns: dict[str, int] = {}
 
     @property
     def compute(self):
@@ -59,9 +61,31 @@ class Scheduler:
 
     def join(self) -> None:
         """The compute stream waits for everything queued on the copy stream (e.g. host writes that later
-        reads of host memory depend on)."""
+        reads of host memory depend on); the staging tensors go back to the allocator after that wait."""
         if self.overlap:
             torch.cuda.current_stream(self.device).wait_stream(self._copy)
+        self._staging.clear()
+
+    def staging(self, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple[list[torch.Tensor], str]:
+        """Device tensors of these shapes to fill on the compute stream and hand to the copy stream, and the
+        event name to run that copy under (`copy_stream(event)`). `name`'s calls alternate between two slots; a
+        slot is handed out again only after the compute stream waits for the copy that read it last. Slots live
+        until `join`. (Tensors made per call and kept alive with record_stream instead come back to the
+        allocator only once the host sees their copy finished: a prefill's host runs layers ahead of the GPU,
+        and 16 chunks of K and V, 1 GiB for an 8B model at 128k, stayed reserved.)"""
+        turn = self._staging_turns.get(name, 0)
+        self._staging_turns[name] = turn + 1
+        slot, event = turn % 2, f"{name}:{turn % 2}"
+        if event in self._events:
+            self.wait(event)
+        out = []
+        for i, shape in enumerate(shapes):
+            n, key = math.prod(shape), (name, slot, i)
+            buf = self._staging.get(key)
+            if buf is None or buf.dtype != dtype or buf.numel() < n:
+                buf = self._staging[key] = torch.empty(n, dtype=dtype, device=self.device)
+            out.append(buf[:n].view(shape))
+        return out, event
 
     def buffer(self, name: str, layer_idx: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Buffer set layer_idx % 2 of `name`: the same memory for every layer of that parity, so one layer's

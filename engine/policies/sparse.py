@@ -291,24 +291,25 @@ class SparseOffloadCache(LayerCache):
 
     def _to_host(self, k, v, pos: int) -> None:
         """Write tokens [pos, pos + m) to the host store on the copy stream (K^T transposed on the device
-        first), so the layers after this one compute meanwhile; commit() joins the streams."""
-        for j, s in enumerate(range(0, k.shape[2], STORE_CHUNK)):  # chunks bound the device copies of a prompt
-            if j >= 2:  # at most two chunks' copies in flight: their device tensors are freed once copied
-                self.scheduler.wait(f"store:{self.spec.layer_idx}:{j % 2}")
+        first), so the layers after this one compute meanwhile; commit() joins the streams. The device copies
+        go through the scheduler's two staging slots: at most two chunks in flight, whatever the layer."""
+        B, H, _, D = k.shape
+        for s in range(0, k.shape[2], STORE_CHUNK):  # chunks bound the device copies of a prompt
             kc, vc = k[:, :, s:s + STORE_CHUNK], v[:, :, s:s + STORE_CHUNK]
-            kvc, a, b = torch.stack([kc, vc], 3), pos + s, pos + s + kc.shape[2]   # [B, H, m, 2, D] as stored
-            made = [kvc]
+            m, a = kc.shape[2], pos + s
+            shapes = [(B, H, m, 2, D)] + ([(B, H, D, m)] if self.host_kt is not None else [])
+            made, event = self.scheduler.staging("store", shapes, kc.dtype)   # K and V as stored, K^T
+            kvc = made[0]
+            torch.stack([kc, vc], 3, out=kvc)
             if self.host_kt is not None:
-                made.append(kc.transpose(2, 3).contiguous())
+                ktc = made[1]
+                ktc.copy_(kc.transpose(2, 3))
             if self.sketch is not None:
                 self.sketch.append(kc)
-            with self.scheduler.copy_stream(f"store:{self.spec.layer_idx}:{j % 2}"):
-                host_copy(self.host_kv[:, :, a:b], kvc)
+            with self.scheduler.copy_stream(event):
+                host_copy(self.host_kv[:, :, a:a + m], kvc)
                 if self.host_kt is not None:
-                    host_copy(self.host_kt[:, :, :, a:b], made[1])
-                if kvc.is_cuda:  # made on the compute stream, read here: not reused before the copies are done
-                    for t in made:
-                        t.record_stream(torch.cuda.current_stream(t.device))
+                    host_copy(self.host_kt[:, :, :, a:a + m], ktc)
 
     def _tail_len(self) -> int:
         return max(0, self.held - self.tail_start)
