@@ -51,7 +51,8 @@ class LayerCache:
       sets `self.last`, the step's counters (computed here, on the host, so they stay right under replay).
     - `run(q, k, v, step)`: the attention. For a decode step: device work only, static shapes for the plan,
       no host reads or syncs, and idempotent (running it twice for one step gives the same state: graph capture
-      runs it as warm-up). A multi-token step runs eagerly and may store as it goes.
+      runs it as warm-up). A multi-token step runs eagerly and may store as it goes. The model reads q no more
+      after run: run may write its output over q (causal_attention's into_q).
     - `commit(step)`: host work after the step (moving tokens between regions, flushes, host writes).
     """
 

@@ -1,9 +1,9 @@
 """What a run needs of the device's memory, and the key sketch's precision that fits a --gpu-mem-limit.
 
 The estimate is the prefill's peak (the largest moment of a run: measured on the H200 for Llama-3.1-8B at 128k,
-tailorkv, 18.9 GiB; this model says 18.9): the weights, the prompt's activations while a layer attends (the
-residual stream, the stacked q/k/v projection and the attention output for every token, plus one MLP chunk's
-temporaries), and what the caches keep on the device: layer 0's packed codes, the sparse layers' sink and tail
+tailorkv with a 2-bit sketch-ahead, 19.36 GiB; this model says 19.3): the weights, the prompt's activations (the
+residual stream, one [T, dim] buffer that the layer's input, q, the attention output and the layer's output
+share, K and V, one chunk's temporaries), and what the caches keep on the device: layer 0's packed codes, the sparse layers' sink and tail
 slots, the scheduler's buffers (the selection's) and, with `--select sketch` or `sketch-ahead`, the sketch.
 
 The top-K budget costs next to no device memory (the chosen rows are read from pinned host memory in place, or, with
@@ -30,10 +30,21 @@ def weight_bytes(cfg, dtype_bytes: int) -> int:
 
 
 def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> int:
+    """A prompt's largest moment in a layer (models/llama.py): the residual stream, the layer's input (which its q,
+    then the attention output, then the layer's output overwrite, where q is as wide as the input and the prompt
+    longer than one chunk; else the stacked q/k/v output and the attention output beside it), K and V, and one
+    chunk's temporaries: the MLP's, and the two staging slots of the sparse layers' copies to the host."""
+    from tailorkv.engine.policies.sparse import STORE_CHUNK
     from tailorkv.models.llama import MLP_CHUNK
-    per_token = cfg.dim + (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim
+    hd, q_width = cfg.head_dim, cfg.n_heads * cfg.head_dim
+    kv_width = 2 * cfg.n_kv_heads * hd
+    if tokens > MLP_CHUNK and q_width == cfg.dim:
+        per_token = 2 * cfg.dim + kv_width
+    else:
+        per_token = cfg.dim + q_width + kv_width + q_width
     mlp = min(tokens, MLP_CHUNK) * 3 * cfg.hidden_dim
-    return dtype_bytes * batch * (tokens * per_token + mlp) + 4 * batch * cfg.vocab_size
+    staging = 2 * min(tokens, STORE_CHUNK) * (kv_width + cfg.n_kv_heads * hd)   # K and V, and K^T on the paper's path
+    return dtype_bytes * batch * (tokens * per_token + mlp + staging) + 4 * batch * cfg.vocab_size
 
 
 def sketch_bytes(cfg, ctx: int, sink: int, bits: int, group: int, batch: int) -> int:

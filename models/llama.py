@@ -57,9 +57,22 @@ class Attention(nn.Module, Stacked):
         b, t, _ = x.shape
         return x.view(b, t, n, self.hd).transpose(1, 2)
 
-    def forward(self, qkv, positions, rope: Rope, attend):
-        """qkv = qkv_proj(x) -> the attention output per head [B, Hq, T, D], before the output projection."""
-        q, k, v = qkv.split(self.sizes, -1)
+    def project_qkv(self, x):
+        """x [B, T, dim] -> q, k, v [B, T, n * hd]. A long prompt's q is written over x chunk by chunk (where q is
+        as wide as x; the caller reads x no more): no [T, (Hq + 2 Hkv) hd] output beside x."""
+        t, nq = x.shape[1], self.sizes[0]
+        if t <= MLP_CHUNK or nq != x.shape[-1]:
+            return linear(x, self.qkv_proj.weight).split(self.sizes, -1)
+        kv = torch.empty(*x.shape[:2], self.sizes[1] + self.sizes[2], dtype=x.dtype, device=x.device)
+        for s in range(0, t, MLP_CHUNK):
+            part = linear(x[:, s:s + MLP_CHUNK], self.qkv_proj.weight)
+            kv[:, s:s + MLP_CHUNK] = part[..., nq:]
+            x[:, s:s + MLP_CHUNK] = part[..., :nq]
+        return (x, *kv.split(self.sizes[1:], -1))
+
+    def forward(self, q, k, v, positions, rope: Rope, attend):
+        """project_qkv's q, k, v -> the attention output per head [B, Hq, T, D], before the output projection
+        (`attend` may write it over q)."""
         q, k = rope(self.heads(q, self.n_heads), self.heads(k, self.n_kv), positions)
         return attend(q, k, self.heads(v, self.n_kv))
 
@@ -100,18 +113,22 @@ class Block(nn.Module):
         attention); h the residual stream (updated in place). Returns next_norm(h)."""
         x = x_holder.pop()
         cache.layer_input(i, x, step)
-        qkv = linear(x, self.self_attn.qkv_proj.weight)
+        q, k, v = self.self_attn.project_qkv(x)
         del x
-        o = self.self_attn(qkv, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
-        del qkv
+        o = self.self_attn(q, k, v, step.positions, rope, lambda q, k, v: cache.attend(i, q, k, v, step))
+        del q, k, v
 
         def rest(part, o_part):  # the output projection, the MLP and the next norm over some of the tokens
             m = self.mlp(self.post_attention_layernorm.add_then_norm(part, self.self_attn.project(o_part)))
             return next_norm.add_then_norm(part, m)
         if h.shape[1] <= MLP_CHUNK:  # a decode step or a short prompt: no copy into an output buffer
             return rest(h, o)
-        out = torch.empty_like(h)
-        for s in range(0, h.shape[1], MLP_CHUNK):  # long prompts in chunks: [T, dim] temporaries stay small
+        # long prompts in chunks: [T, dim] temporaries stay small. A token-major o (written over q, which lies
+        # over x) takes each chunk's result in place of the rows its output projection has just read.
+        tok = o.transpose(1, 2)
+        same = tok.is_contiguous() and tok.shape[:2] == h.shape[:2] and tok.dtype == h.dtype and tok[0, 0].numel() == h.shape[2]
+        out = tok.view(h.shape) if same else torch.empty_like(h)
+        for s in range(0, h.shape[1], MLP_CHUNK):
             out[:, s:s + MLP_CHUNK] = rest(h[:, s:s + MLP_CHUNK], o[:, :, s:s + MLP_CHUNK])
         return out
 

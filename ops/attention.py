@@ -23,11 +23,15 @@ PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPB
                     SDPBackend.MATH]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
+                     into_q: bool = False) -> torch.Tensor:
     """q [B, Hq, Tq, D] at positions q_offset.., k/v [B, Hkv, Tk, D] at positions 0..Tk-1; Tk = q_offset + Tq.
-    Query chunks bound the mask memory for long prompts."""
+    Query chunks bound the mask memory for long prompts. into_q: the caller reads q no more, so a prompt longer
+    than INTO_Q_BLOCK attends from 0 with its output written over q (returned): no output tensor beside it."""
     tq, tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if into_q and q_offset == 0 and tq == tk and tq > INTO_Q_BLOCK:
+        return _causal_over_q(q, k, v)
     if tq == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if q_offset == 0 and tq == tk and (q.is_cuda or tq <= QUERY_CHUNK):
@@ -44,6 +48,60 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         out[:, :, s:e] = F.scaled_dot_product_attention(
             q[:, :, s:e], k[:, :, :end_k], v[:, :, :end_k], attn_mask=mask, enable_gqa=gqa)
     return out
+
+
+INTO_Q_BLOCK = 16384  # query rows per block of a prompt's attention written over q
+MERGE_HEADS = 4       # query heads per fp32 merge of a block's two parts (bounds its temporaries)
+
+
+def _causal_over_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention from position 0, block by block of INTO_Q_BLOCK queries, each block's output written
+    over its rows of q (read by its own attention only). Block [s, e) attends to keys [0, s) without a mask and
+    to [s, e) causally; the two parts merge by their logsumexps in fp32. At 128k tokens of an 8B model this
+    spares the 1 GiB output tensor that one SDPA call allocates next to q."""
+    B, Hq, T, D = q.shape
+    for s in range(0, T, INTO_Q_BLOCK):
+        e = min(T, s + INTO_Q_BLOCK)
+        qb = q[:, :, s:e]
+        o_diag, l_diag = attention_lse(qb, k[:, :, s:e], v[:, :, s:e], causal=True)
+        if s == 0:
+            qb.copy_(o_diag)
+            continue
+        o_past, l_past = attention_lse(qb, k[:, :, :s], v[:, :, :s], causal=False)
+        m = torch.maximum(l_past, l_diag)
+        w_past, w_diag = (l_past - m).exp_(), (l_diag - m).exp_()
+        total = w_past + w_diag
+        w_past, w_diag = (w_past / total).unsqueeze(-1), (w_diag / total).unsqueeze(-1)
+        for h in range(0, Hq, MERGE_HEADS):
+            hs = slice(h, h + MERGE_HEADS)
+            qb[:, hs].copy_(o_past[:, hs].float().mul_(w_past[:, hs]).add_(o_diag[:, hs].float().mul_(w_diag[:, hs])))
+    return q
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B, Hq, Tq, D] over k, v [B, Hkv, Tk, D] (causal: Tq == Tk, aligned) -> (o in q's dtype,
+    logsumexp of the scaled scores [B, Hq, Tq] fp32). cuDNN's fused attention on a GPU in fp16/bf16 (GQA
+    native); elsewhere fp32 scores in query chunks of SCORE_BYTES."""
+    B, Hq, Tq, D = q.shape
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
+        return out[0], out[1].reshape(B, Hq, Tq).float()
+    Hkv, Tk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+    kf, vf = k.float().transpose(-1, -2), v.float()
+    rows = max(1, SCORE_BYTES // (4 * B * Hq * Tk))
+    for s in range(0, Tq, rows):
+        e = min(Tq, s + rows)
+        scores = (q[:, :, s:e].float().reshape(B, Hkv, g * (e - s), D) @ kf).mul_(softmax_scale(D))
+        if causal:
+            seen = torch.arange(Tk, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
+            scores.masked_fill_(~seen.repeat(g, 1), float("-inf"))
+        l_part = torch.logsumexp(scores, -1, keepdim=True)
+        o[:, :, s:e] = ((scores - l_part).exp_() @ vf).reshape(B, Hq, e - s, D).to(q.dtype)
+        lse[:, :, s:e] = l_part.reshape(B, Hq, e - s)
+    return o, lse
 
 
 SCORE_BYTES = 256 << 20  # fp32 scores of one chunk of a later turn's queries

@@ -379,3 +379,47 @@ def test_split_probs_times_values_equals_one_matmul(monkeypatch):
         probs = torch.rand(2, 3, 5, T, generator=g)
         v = torch.randn(2, 3, T, 8, generator=g)
         assert rel_err(attention._probs_times_values(probs, v), probs @ v) < 1e-5
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,T,D,block,score_bytes", [(1, 8, 2, 40, 16, 16, None), (2, 6, 3, 33, 8, 8, 4 * 6 * 33 * 2),
+                                                            (1, 4, 4, 9, 8, 4, None)])
+def test_causal_attention_written_over_q_equals_one_sdpa_call(monkeypatch, B, Hq, Hkv, T, D, block, score_bytes):
+    from tailorkv.ops import attention
+    monkeypatch.setattr(attention, "INTO_Q_BLOCK", block)
+    monkeypatch.setattr(attention, "MERGE_HEADS", 3)   # heads merged in parts, the last one short
+    if score_bytes is not None:
+        monkeypatch.setattr(attention, "SCORE_BYTES", score_bytes)
+    g = torch.Generator().manual_seed(SEED + T)
+    q = torch.randn(B, Hq, T, D, generator=g)
+    k, v = (torch.randn(B, Hkv, T, D, generator=g) for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(Hq // Hkv, 1),
+                                                            v.repeat_interleave(Hq // Hkv, 1), is_causal=True)
+    q_in = q.clone()
+    got = attention.causal_attention(q_in, k, v, 0, into_q=True)
+    assert got.data_ptr() == q_in.data_ptr() and rel_err(got, want) < 1e-5
+
+
+def test_attention_lse_is_the_logsumexp_of_the_scaled_scores():
+    from tailorkv.ops.attention import attention_lse, softmax_scale
+    g = torch.Generator().manual_seed(SEED + 6)
+    q, k, v = torch.randn(1, 4, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    for causal in (False, True):
+        o, lse = attention_lse(q, k, v, causal)
+        s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * softmax_scale(8)
+        if causal:
+            s = s.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+        assert torch.allclose(lse, s.logsumexp(-1), atol=1e-5)
+        assert torch.allclose(o, s.softmax(-1) @ v.repeat_interleave(2, 1), atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T,block", [(20000, 8192), (3000, 1024)])
+def test_causal_attention_over_q_on_the_gpu_equals_one_sdpa_call(monkeypatch, T, block):
+    from tailorkv.ops import attention
+    monkeypatch.setattr(attention, "INTO_Q_BLOCK", block)
+    g = torch.Generator(device="cuda").manual_seed(SEED + 7)
+    q = torch.randn(1, 32, T, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, 8, T, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    want = attention.causal_attention(q, k, v, 0).float()
+    got = attention.causal_attention(q.clone(), k, v, 0, into_q=True).float()
+    assert not got.isnan().any() and rel_err(got, want) < 1e-2

@@ -7,6 +7,7 @@ import torch
 from tailorkv.engine.bench import driver as B
 from tailorkv.engine.generate import Engine
 from tailorkv.engine.methods import build_cache
+from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.models.loader import load_model
 from helpers import write_tiny_folder
@@ -57,3 +58,25 @@ def test_interrupted_decode_step_leaves_the_cache_intact(tiny):
     assert engine.cache.length == 150 and engine.cache.intact
     engine.recover()
     assert torch.allclose(engine.forward([ids[150]]), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("method", list(SETTINGS))
+def test_long_prompt_path_writes_over_its_inputs_and_agrees(tiny, method, monkeypatch):
+    """A prompt longer than MLP_CHUNK and INTO_Q_BLOCK: q written over the layer input, the attention over q,
+    each MLP chunk's output over the attention output it read; the same logits as the one-shot path."""
+    from tailorkv.models import llama
+    from tailorkv.ops import attention
+    ids = torch.randint(0, tiny.cfg.vocab_size, (1, 150), generator=torch.Generator().manual_seed(3))
+
+    def prefill_logits():
+        cache = build_cache(tiny, SETTINGS[method], 200)
+        return Runner(tiny.model, cache).prefill(ids, all_logits=True)
+    want = prefill_logits()
+    monkeypatch.setattr(llama, "MLP_CHUNK", 32)
+    monkeypatch.setattr(attention, "INTO_Q_BLOCK", 40)
+    made = []
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(llama.torch, "empty_like", lambda t, *a, **kw: made.append(t.shape) or real_empty_like(t, *a, **kw))
+    got = prefill_logits()
+    assert (1, 150, tiny.cfg.dim) not in made      # no [T, dim] output buffer beside the attention output
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()

@@ -33,7 +33,7 @@ class FullCache(LayerCache):
         s, e = step.start, step.end
         self.k[:, :, s:e] = k
         self.v[:, :, s:e] = v
-        return causal_attention(q, self.k[:, :, :e], self.v[:, :, :e], s)
+        return causal_attention(q, self.k[:, :, :e], self.v[:, :, :e], s, into_q=True)
 
     def abort(self, step) -> None:
         pass  # what a step wrote lies beyond the length: never read

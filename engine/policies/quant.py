@@ -110,7 +110,7 @@ class QuantCache(LayerCache):
         if step.decode:
             return self._decode(q, k, v, step.positions)
         if self.held == 0:
-            out = causal_attention(q, k, v, 0)  # prefill: exact prompt K/V
+            out = causal_attention(q, k, v, 0, into_q=True)  # prefill: exact prompt K/V
         else:
             kp, vp = self.dequantized()
             out = causal_attention(q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), step.start)

@@ -225,7 +225,7 @@ class SparseOffloadCache(LayerCache):
     def _attend_many(self, q, k, v, start):
         """Exact causal attention over all held tokens (middle fetched whole) and the new ones."""
         if start == 0:
-            return causal_attention(q, k, v, 0)
+            return causal_attention(q, k, v, 0, into_q=True)
         keys, vals = self.held_kv(new=(k, v))
         return causal_attention(q, keys, vals, start)
 
