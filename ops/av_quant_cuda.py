@@ -103,13 +103,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) av_quant_partial(
     #pragma unroll
     for (int gd = 0; gd < NGD; ++gd) bacc[mt][0][gd] = bacc[mt][1][gd] = 0.f;
 
-    #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {{ if (i < mine) issue(i); cp_async_commit(); }}
-    for (int i = 0; i < mine; ++i) {{
-        if (i + STAGES - 1 < mine) issue(i + STAGES - 1);
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
+    warp_pipeline<STAGES>(mine, issue, [&](int i) {{
         const unsigned* st = stage[warp][i % STAGES];
         const __half* ss = reinterpret_cast<const __half*>(st + OFF_S);
         const __half* sm = reinterpret_cast<const __half*>(st + OFF_M);
@@ -127,8 +121,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) av_quant_partial(
             }}
         }}
         value_tile_mma<BITS, D, MT>(acc, bacc, pr, part_of, st, ss, sm, g, c);
-        __syncwarp();
-    }}
+    }});
 
     // block sum in a fixed order: warp 0 stores, the others add one after another
     #pragma unroll

@@ -105,14 +105,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
             cp_async16(dst + ROWS * D + D / 2 + 4 * j, mbase + (long long)grp * D + 8 * j, 16);
         }}
     }};
-    #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {{ if (i < mine) issue(i); cp_async_commit(); }}
-
-    for (int i = 0; i < mine; ++i) {{
-        if (i + STAGES - 1 < mine) issue(i + STAGES - 1);
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
+    warp_pipeline<STAGES>(mine, issue, [&](int i) {{
         const int grp = first + i * WARPS;
         const unsigned* sc = stage[warp][i % STAGES];
         const __half* ss = reinterpret_cast<const __half*>(sc + ROWS * D);
@@ -186,8 +179,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
                 }}
             }}
         }}
-        __syncwarp();
-    }}
+    }});
 }}
 """
 

@@ -68,6 +68,23 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
+// A warp's cp.async pipeline over its `count` items, STAGES deep: issue(i) stages item i (cp.async into the
+// stage i % STAGES; one commit group per item), body(i) runs once item i has landed; the warp syncs before and
+// after a body, so no lane refills a stage that another lane still reads.
+template <int STAGES, class Issue, class Body>
+__device__ __forceinline__ void warp_pipeline(int count, Issue&& issue, Body&& body) {
+    #pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) { if (i < count) issue(i); cp_async_commit(); }
+    for (int i = 0; i < count; ++i) {
+        if (i + STAGES - 1 < count) issue(i + STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        body(i);
+        __syncwarp();
+    }
+}
+
 // q split for fp16 MMA operands: part s (0: hi, 1: lo) of (x, y) * 2^e
 __device__ __forceinline__ unsigned q_part(float x, float y, int e, int s) {
     x = ldexpf(x, e); y = ldexpf(y, e);

@@ -104,14 +104,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
         stage_copy<16>(dst + GROUP * WPT, sbase + (long long)grp * D, 2 * D, 2 * D, lane);
         stage_copy<16>(dst + GROUP * WPT + D / 2, mbase + (long long)grp * D, 2 * D, 2 * D, lane);
     }};
-    #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {{ if (i < mine) issue(i); cp_async_commit(); }}
-
-    for (int i = 0; i < mine; ++i) {{
-        if (i + STAGES - 1 < mine) issue(i + STAGES - 1);
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
+    warp_pipeline<STAGES>(mine, issue, [&](int i) {{
         const int grp = first + i * WARPS;
         const unsigned* sc = stage[warp][i % STAGES];
         const __half2* ss = reinterpret_cast<const __half2*>(sc + GROUP * WPT);
@@ -205,8 +198,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
                 if (tok < N) out[(long long)bh * N + tok] = offset + tok >= endv ? NEG_INF : r[i];
             }}
         }}
-        __syncwarp();
-    }}
+    }});
 }}
 """
 
