@@ -30,7 +30,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     than INTO_Q_BLOCK attends from 0 with its output written over q (returned): no output tensor beside it."""
     tq, tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if into_q and q_offset == 0 and tq == tk and tq > INTO_Q_BLOCK:
+    cudnn_or_cpu = not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)  # else the blocks' fp32 path is slow
+    if into_q and q_offset == 0 and tq == tk and tq > INTO_Q_BLOCK and cudnn_or_cpu:
         return _causal_over_q(q, k, v)
     if tq == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
