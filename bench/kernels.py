@@ -1,5 +1,5 @@
 """Device check and timing of every CUDA kernel of ops/ against its torch reference and the stock alternative.
-From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,approx,sketch]
+From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,approx,sketch,topk]
 (`quant` stands for qk,av,qattn). For each kernel: max relative error against the reference on fresh random inputs at
 2-3 shapes (PASS/FAIL), then the time of one call (CUDA events around replays of a CUDA graph that holds several
 calls, inputs rotating over sets that together exceed the 60 MB L2; median of 50), the bytes it must move, the
@@ -341,6 +341,46 @@ def bench_approx():
     return [result(f"approx_scores bf16 r={r} N=128k Hkv=8", checks, ms, mode, nbytes, HBM, "torch reference", base_ms)]
 
 
+def bench_topk():
+    """topk_tokens (exact, index order) over sketch scores of random keys (the decode step's input: 8 KV heads x
+    128k tokens, k = 896) against torch.topk; its two stages timed apart with the profiler (stage 1: the k best of
+    each stretch of a row, stage 2: the k best of those candidates)."""
+    from tailorkv.ops.sparse_select import topk_tokens
+    checks = []
+    for (rows, n, k) in ((8, 131072, 896), (3, 5000, 100), (2, 700, 700)):
+        for kind in ("sketch", "ties"):
+            if kind == "sketch":
+                keys = quantize_sketch(randn(1, rows, -(-n // 64) * 64, 128) * torch.exp(randn(128)), 2, 64)
+                x = sketch_scores(randn(1, 4 * rows, 1, 128, dtype=torch.bfloat16), *keys, 2, 64,
+                                  torch.tensor(n, device=DEV), 0, "lse", 0.088)[..., :n].contiguous()
+            else:
+                x = torch.randint(0, 50, (1, rows, n), device=DEV).float()
+            kern = kernel("topk_tokens", x)
+            got = kern(x, k).sort(-1).values
+            want = topk_tokens.reference(x, k) if kind == "sketch" else \
+                torch.sort(-x, dim=-1, stable=True).indices[..., :k]                    # ties: the lowest indices
+            checks.append(check(f"{kind} rows={rows} N={n} k={k}", got.float(), want.sort(-1).values.float(), 0))
+    rows, n, k = 8, 131072, 896
+    sets = []
+    for _ in range(n_sets(rows * n * 4)):
+        keys = quantize_sketch(randn(1, rows, n, 128) * torch.exp(randn(128)), 2, 64)
+        sets.append(sketch_scores(randn(1, 32, 1, 128, dtype=torch.bfloat16), *keys, 2, 64,
+                                  torch.tensor(n, device=DEV), 0, "lse", 0.088).contiguous())
+    kern = kernel("topk_tokens", sets[0])
+    ms, mode = gpu_time([lambda s=s: kern(s, k) for s in sets])
+    base_ms, _ = gpu_time([lambda s=s: s.topk(k, dim=-1) for s in sets])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            for s in sets:
+                kern(s, k)
+        torch.cuda.synchronize()
+    times = [e.device_time for e in prof.events() if e.name == "topk_rows"]
+    stages = {f"stage{i + 1}_us": statistics.median(times[i::2]) for i in range(2)} if len(times) % 2 == 0 else {}
+    print(f"  stages (us, profiler, eager): {stages}")
+    return [result(f"topk_tokens k={k} of {rows} x 128k sketch scores", checks, ms, mode, rows * n * 4, HBM,
+                   "torch.topk", base_ms, stages)]
+
+
 def bench_linear():
     """One row times each Llama-3.1-8B weight (the decode step's GEMVs) against F.linear (cuBLAS)."""
     from tailorkv.ops.linear import linear
@@ -367,7 +407,7 @@ def bench_linear():
 
 
 BENCHES = {"linear": bench_linear, "gather": bench_gather, "qk": bench_qk, "av": bench_av, "qattn": bench_qattn, "attend": bench_attend,
-           "approx": bench_approx, "sketch": bench_sketch}
+           "approx": bench_approx, "sketch": bench_sketch, "topk": bench_topk}
 
 
 def main():
