@@ -3,8 +3,9 @@
 The estimate is the prefill's peak (the largest moment of a run: measured on the H200 for Llama-3.1-8B at 128k,
 tailorkv with a 2-bit sketch-ahead, 19.36 GiB; this model says 19.3): the weights, the prompt's activations (the
 residual stream, one [T, dim] buffer that the layer's input, q, the attention output and the layer's output
-share, K and V, one chunk's temporaries), and what the caches keep on the device: layer 0's packed codes, the sparse layers' sink and tail
-slots, the scheduler's buffers (the selection's) and, with `--select sketch` or `sketch-ahead`, the sketch.
+share, K and V, one chunk's temporaries), and what the caches keep on the device: layer 0's packed codes, the
+sparse layers' sink and tail slots, the scheduler's buffers (the selection's) and, with `--select sketch` or
+`sketch-ahead`, the sketch.
 
 The top-K budget costs next to no device memory (the chosen rows are read from pinned host memory in place, or, with
 sketch-ahead, gathered into two buffers of top-K rows), so the
@@ -20,7 +21,9 @@ PLANNED_SKETCH_BITS = (2, 1)  # 4 bits only when asked for: twice the memory and
 GIB = 2 ** 30
 # Kept free beyond the estimate for the caching allocator's rounding and fragmentation: on the H200 a run whose
 # estimate was 19.6 GiB (Llama-3.1-8B shape, 128k, --select sketch-ahead at 1 bit) ran out of memory under a
-# 20.0 GiB cap (bench/results/2026-11-30-h200-eighth-session).
+# 20.0 GiB cap (bench/results/2026-11-30-h200-eighth-session; the prefill then still held ~1 GiB of K/V chunks
+# reserved for the copy stream beyond its allocated peak, bench/results/2026-11-30-h200-ninth-session). A 2-bit
+# plan estimated at 19.3 GiB has since run under that cap, with a 19.25 GiB peak.
 HEADROOM = GIB // 2
 
 

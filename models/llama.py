@@ -126,8 +126,8 @@ class Block(nn.Module):
         # long prompts in chunks: [T, dim] temporaries stay small. A token-major o (written over q, which lies
         # over x) takes each chunk's result in place of the rows its output projection has just read.
         tok = o.transpose(1, 2)
-        same = tok.is_contiguous() and tok.shape[:2] == h.shape[:2] and tok.dtype == h.dtype and tok[0, 0].numel() == h.shape[2]
-        out = tok.view(h.shape) if same else torch.empty_like(h)
+        own = tok.is_contiguous() and tok.dtype == h.dtype and tok.shape[:2] == h.shape[:2] and tok.numel() == h.numel()
+        out = tok.view(h.shape) if own else torch.empty_like(h)
         for s in range(0, h.shape[1], MLP_CHUNK):
             out[:, s:s + MLP_CHUNK] = rest(h[:, s:s + MLP_CHUNK], o[:, :, s:s + MLP_CHUNK])
         return out
