@@ -199,6 +199,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     out["prefill_stats"] = {k: float(v) for k, v in cache.stats().items()}
     if cuda:
         out["peak_device_prefill_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["peak_reserved_prefill_bytes"] = torch.cuda.max_memory_reserved(device)  # what the allocator held
         torch.cuda.reset_peak_memory_stats(device)
     del prompt
 
@@ -242,10 +243,10 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
         times_ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
         out["peak_device_decode_bytes"] = torch.cuda.max_memory_allocated(device)
         out["peak_device_bytes"] = max(out["peak_device_prefill_bytes"], out["peak_device_decode_bytes"])
-        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        out["peak_reserved_bytes"] = max(out["peak_reserved_prefill_bytes"], torch.cuda.max_memory_reserved(device))
     else:
         out.update(peak_device_bytes=None, peak_device_prefill_bytes=None, peak_device_decode_bytes=None,
-                   peak_reserved_bytes=None, device_baseline_bytes=None)
+                   peak_reserved_bytes=None, peak_reserved_prefill_bytes=None, device_baseline_bytes=None)
     out["decode_ms"] = {"median": statistics.median(times_ms), "p90": percentile(times_ms, 90),
                         "mean": statistics.fmean(times_ms), "min": min(times_ms), "max": max(times_ms),
                         "wall_mean": wall_ms, "steps": n}
