@@ -30,8 +30,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     than INTO_Q_BLOCK attends from 0 with its output written over q (returned): no output tensor beside it."""
     tq, tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    cudnn_or_cpu = not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)  # else the blocks' fp32 path is slow
-    if into_q and q_offset == 0 and tq == tk and tq > INTO_Q_BLOCK and cudnn_or_cpu:
+    if into_q and q_offset == 0 and tq == tk and tq > INTO_Q_BLOCK and _blocks_run_here(q, k, v):
         return _causal_over_q(q, k, v)
     if tq == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
@@ -53,6 +52,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
 
 INTO_Q_BLOCK = 16384  # query rows per block of a prompt's attention written over q
 MERGE_HEADS = 4       # query heads per fp32 merge of a block's two parts (bounds its temporaries)
+
+
+def _blocks_run_here(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The blocked attention over q runs on the CPU (its fp32 path) and where cuDNN's fused attention with its
+    logsumexp takes these tensors (fp16/bf16; tried on their first 8 tokens, causal and not, before q is written:
+    a GPU or cuDNN without it keeps the one SDPA call, which picks another backend)."""
+    if not q.is_cuda:
+        return True
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        for causal in (True, False):
+            attention_lse(q[:, :, :8], k[:, :, :8], v[:, :, :8], causal)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _causal_over_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
