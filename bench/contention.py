@@ -32,6 +32,16 @@ def graph_of(fn, stream):
     return g
 
 
+def replay_timed(graph, stream):
+    """Queue a replay of `graph` on `stream` between two timing events (no sync) -> (start, end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        graph.replay()
+        end.record(stream)
+    return start, end
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -78,21 +88,12 @@ def main():
         dense_ms, side_ms = [], []
         for _ in range(a.reps):
             torch.cuda.synchronize()
-            ds, de = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ss, se = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if name is not None:
-                with torch.cuda.stream(side):
-                    ss.record(side)
-                    sides[name].replay()
-                    se.record(side)
-            with torch.cuda.stream(main_stream):
-                ds.record(main_stream)
-                g_dense.replay()
-                de.record(main_stream)
+            side_events = replay_timed(sides[name], side) if name is not None else None  # queued first
+            dense_events = replay_timed(g_dense, main_stream)
             torch.cuda.synchronize()
-            dense_ms.append(ds.elapsed_time(de))
-            if name is not None:
-                side_ms.append(ss.elapsed_time(se))
+            dense_ms.append(dense_events[0].elapsed_time(dense_events[1]))
+            if side_events is not None:
+                side_ms.append(side_events[0].elapsed_time(side_events[1]))
         row = {"priority": a.priority, "beside": name or "nothing", "dense_ms": statistics.median(dense_ms),
                "side_ms": statistics.median(side_ms) if side_ms else None}
         rows_out.append(row)
@@ -100,13 +101,9 @@ def main():
     for name, g in sides.items():  # each side alone
         ts = []
         for _ in range(a.reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(side):
-                s.record(side)
-                g.replay()
-                e.record(side)
+            start, end = replay_timed(g, side)
             torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
+            ts.append(start.elapsed_time(end))
         rows_out.append({"alone": name, "ms": statistics.median(ts)})
         print(rows_out[-1], flush=True)
     os.makedirs(a.out, exist_ok=True)
