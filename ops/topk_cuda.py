@@ -192,17 +192,16 @@ def load(reference):
             return out
         rows, row_stride = B * H, np.int64(scores.stride(1) if H > 1 else scores.stride(0))
 
-        null = np.uint64(0)
+        def ptr_or_null(t):
+            return ptr(t) if t is not None else np.uint64(0)
 
         def select(n, cand, stretch, segs, dst, keys_out=None, floor_out=None):
             """each of rows x segs blocks: the k best of its stretch into dst (cand: (indices, keys, floors))"""
             c_idx, c_keys, c_floors = cand if cand is not None else (None, None, None)
-            args = (ptr(scores), row_stride, np.int32(n), np.int32(k),
-                    ptr(c_idx) if c_idx is not None else null, ptr(c_keys) if c_keys is not None else null,
-                    ptr(c_floors) if c_floors is not None else null,
-                    np.int32(c_floors.shape[-1] if c_floors is not None else 0), np.int32(stretch), np.int32(segs),
-                    ptr(dst), ptr(keys_out) if keys_out is not None else null,
-                    ptr(floor_out) if floor_out is not None else null, np.int64(k))
+            args = (ptr(scores), row_stride, np.int32(n), np.int32(k), ptr_or_null(c_idx), ptr_or_null(c_keys),
+                    ptr_or_null(c_floors), np.int32(c_floors.shape[-1] if c_floors is not None else 0),
+                    np.int32(stretch), np.int32(segs), ptr(dst), ptr_or_null(keys_out), ptr_or_null(floor_out),
+                    np.int64(k))
             launch(fn, (rows * segs,), (THREADS,), args, scores.device)
 
         s = stretches(rows, N, k, torch.cuda.get_device_properties(scores.device).multi_processor_count)
