@@ -11,32 +11,35 @@ from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr, rows_
 from tailorkv.ops.quant_common_cuda import C_TYPES, HELPERS
 
 WARPS, GROUP = 4, 64
+# a block's chunk is WARPS * this many tokens (whole 64-token groups). Measured at 128k, 1 bit: 256 -> 60.3 us, 128
+# -> 74.1, 512 -> 61.0, sized for one wave of blocks (704) -> 66.4 (bench/quant_decode_variants.py)
+TOKENS_PER_WARP = 256
+BLOCKS_PER_SM = {1: 3}  # resident blocks the compiler keeps registers for (1 bit: 168 registers, no spill)
 SMEM_LIMIT = 48 * 1024
 CU_FILE = os.path.join(os.path.dirname(__file__), "quant_decode.cu")
 
 
-def _mtv(G: int) -> int:
-    """MMA row tiles of the value product: rows part * G + head for the exponentials' two fp16 parts."""
-    return -(-2 * G // 16)
+def stage_words(bits: int, d: int) -> int:
+    """Words of one warp's stage (the CUDA source's layout): a 64-token group's key codes, key scales and mins,
+    value codes, value scales and mins."""
+    cpw, ngd = 32 // bits, d // min(64, d)
+    return (64 // cpw) * d + d + 64 * (d // cpw) + 64 * ngd
 
 
-def shared_bytes(bits: int, d: int, g: int, ct: int) -> int:
-    """Static shared memory of the partial kernel (the CUDA source's layout, computed here to pick the chunk and
-    to refuse what does not fit before compiling)."""
-    cpw = 32 // bits
-    ngd = d // min(64, d)
-    stage = (ct // 64) * ((64 // cpw) * d + d) + ct * (d // cpw) + ct * ngd
-    after = WARPS * g * d + 2 * g * (d + 1) + 2 * g * ngd
-    return 4 * (max(stage, after) + g * ct + WARPS)
+def shared_bytes(bits: int, d: int, g: int, stages: int) -> int:
+    """Static shared memory of the partial kernel: the warps' stages, which later hold the warps' sums."""
+    return 4 * (max(WARPS * stages * stage_words(bits, d), WARPS * g * d + 2 * WARPS * g) + WARPS)
 
 
-def chunk_tokens(bits: int, d: int, g: int) -> int:
-    """Tokens per block: the most (512 at most) whose keys, values and scores fit the shared memory."""
-    return next((ct for ct in (512, 256, 128, 64) if shared_bytes(bits, d, g, ct) <= SMEM_LIMIT), 0)
+def stages_for(bits: int, d: int, g: int) -> int:
+    """cp.async stages per warp: three where they fit, else two (0: not even two)."""
+    return next((s for s in (3, 2) if shared_bytes(bits, d, g, s) <= SMEM_LIMIT), 0)
 
 
-def source(bits: int, d: int, g: int, s: int, qdtype: torch.dtype, vdtype: torch.dtype) -> str:
-    defines = dict(BITS=bits, D=d, G=g, CT=chunk_tokens(bits, d, g), S=s, MTV=_mtv(g), WARPS=WARPS)
+def source(bits: int, d: int, g: int, s: int, qdtype: torch.dtype, vdtype: torch.dtype,
+           tokens_per_warp: int = TOKENS_PER_WARP, blocks_per_sm: int = 1) -> str:
+    defines = dict(BITS=bits, D=d, G=g, CT=WARPS * tokens_per_warp, S=s, STAGES=stages_for(bits, d, g),
+                   WARPS=WARPS, MINB=blocks_per_sm)
     with open(CU_FILE) as f:
         body = f.read()
     return (HELPERS + "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -52,7 +55,7 @@ def _supported(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, 
     dev = q.device
     packed = (k_codes, k_scale, k_min, v_codes, v_scale, v_min)
     return (str(q.dtype) in C_TYPES and str(v_ring.dtype) in C_TYPES and vgroup == min(64, D) and G <= 16
-            and _mtv(G) <= (1 if D == 128 else 2) and chunk_tokens(bits, D, G) > 0
+            and stages_for(bits, D, G) > 0
             and q.stride(-1) == 1 and k_codes.dtype == torch.int32 and v_codes.dtype == torch.int32
             and all(t.dtype == torch.float16 for t in (k_scale, k_min, v_scale, v_min))
             and k_codes.shape[:2] == (B, Hkv) and k_codes.shape[3] == D
@@ -77,7 +80,7 @@ def load(reference):
     def quant_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, p, bits: int = 1,
                                group: int = 64, vgroup: int = 64, sm_scale: float = 1.0):
         """Kernel for bits 1/2, key group 64 (a bucket of whole groups), value group min(64, head_dim),
-        head_dim 64/128, up to 16 query heads per KV head (8 at head_dim 128), q fp16/bf16/fp32, packed rows
+        head_dim 64/128, up to 16 query heads per KV head, q fp16/bf16/fp32, packed rows
         contiguous with 16-byte aligned heads, a ring of rows contiguous; else the torch reference."""
         if not _supported(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, p, bits, group, vgroup):
             return reference(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, p, bits, group,
@@ -90,12 +93,13 @@ def load(reference):
         if B == 0:
             return out, lse
         s = 2 if q.dtype == torch.float32 else 1
-        key = (bits, D, G, s, q.dtype, v_ring.dtype)
+        tpw = TOKENS_PER_WARP
+        key = (bits, D, G, s, q.dtype, v_ring.dtype, tpw, BLOCKS_PER_SM.get(bits, 1))
         if key not in kernels:
             mod = compile_module(source(*key))
             kernels[key] = (mod.get_function("quant_attn_partial"), mod.get_function("quant_attn_reduce"))
         partial, reduce = kernels[key]
-        chunks = max(1, -(-T // chunk_tokens(bits, D, G)))
+        chunks = max(1, -(-T // (WARPS * tpw)))
         part = torch.empty(chunks, B * Hkv, G, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(chunks, B * Hkv, G, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
