@@ -65,3 +65,28 @@ def test_kernel_in_a_graph_follows_the_slot_tensor():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(k_dst[:, :, s], k[:, :, 0]) and torch.equal(v_dst[:, :, s], v[:, :, 0])
+
+
+def test_reference_maps_positions_to_sink_and_tail_slots():
+    """With a tail start, position p < sink goes to slot p and p >= sink to slot sink + p - tail."""
+    g = torch.Generator().manual_seed(SEED + 2)
+    k_dst, v_dst, _, k, v = case(1, 2, 32, 3, 8, torch.float32, "cpu", g)
+    pos, tail = torch.tensor([2, 150, 151]), torch.tensor(140)
+    store_kv(k_dst, v_dst, pos, k, v, tail, 8)
+    for i, slot in enumerate([2, 18, 19]):
+        assert torch.equal(k_dst[:, :, slot], k[:, :, i]) and torch.equal(v_dst[:, :, slot], v[:, :, i])
+    assert int((k_dst[0, 0, :, 0] != -7.0).sum()) == 3
+
+
+@pytest.mark.cuda
+def test_kernel_maps_positions_like_the_reference():
+    g = torch.Generator().manual_seed(SEED + 3)
+    got = list(case(1, 8, 200, 2, 128, torch.bfloat16, "cuda", g))
+    got[2] = torch.tensor([5, 1000], device="cuda")
+    tail = torch.tensor(900, device="cuda")
+    want = [t.clone() for t in got]
+    store_kv(*got, tail, 64)
+    store_kv.reference(*want, tail, 64)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0][:, :, 164], got[3][:, :, 1])

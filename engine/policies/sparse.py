@@ -76,11 +76,9 @@ class SparseOffloadCache(LayerCache):
         dev = dict(dtype=spec.dtype, device=spec.device)
         self.dev_k = torch.zeros(B, H, self.sink + self.cap, D, **dev)
         self.dev_v = torch.zeros_like(self.dev_k)
-        # max |K| per KV head and channel over the held tokens; a decode step writes its update to kmax_next and
-        # its commit (outside any CUDA graph) copies that to kmax, so running the step again (a graph's
-        # warm-ups) reads what it read
-        self.kmax = torch.zeros(B, H, D, dtype=torch.float32, device=spec.device)
-        self.kmax_next = torch.zeros_like(self.kmax)
+        # max |K| per KV head and channel (the paper's channel scores): a step writes kmax_next, commit copies it
+        self.tracks_kmax = self.sketch is None
+        self.kmax, self.kmax_next = (torch.zeros(B, H, D, dtype=torch.float32, device=spec.device) for _ in range(2))
         self.tail_start_dev = torch.zeros((), dtype=torch.long, device=spec.device)
         self.reset()
 
@@ -89,8 +87,8 @@ class SparseOffloadCache(LayerCache):
         super().reset()
         self.held = 0
         self._set_tail_start(self.sink)  # always >= sink; the middle is [sink, tail_start)
-        self.kmax.zero_()
-        self.kmax_next.zero_()
+        for t in (self.kmax, self.kmax_next):
+            t.zero_()
         if self.sketch is not None:
             self.sketch.reset()
         self.q_hat = None
@@ -146,7 +144,7 @@ class SparseOffloadCache(LayerCache):
             self.prefetched = True
 
     def kmax_before(self) -> torch.Tensor:
-        """max |K| [B, Hkv, D] over the tokens held before this step."""
+        """max |K| [B, Hkv, D] over the tokens held before this step (kept by the channels path only)."""
         return self.kmax
 
     def device_bytes(self) -> int:
@@ -216,7 +214,8 @@ class SparseOffloadCache(LayerCache):
 
     def commit(self, step) -> None:
         if step.decode:
-            self.kmax.copy_(self.kmax_next)
+            if self.tracks_kmax:
+                self.kmax.copy_(self.kmax_next)
             self.held += 1
             if self._tail_len() >= self.cap:
                 self._flush(self._tail_len() - self.recent)
@@ -231,9 +230,9 @@ class SparseOffloadCache(LayerCache):
 
     def _decode(self, q, k, v, prefetched, p):
         S = self.sink
-        slot = torch.where(p < S, p, S + p - self.tail_start_dev)
-        store_kv(self.dev_k, self.dev_v, slot, k, v)
-        torch.maximum(self.kmax, k.abs().amax(2).float(), out=self.kmax_next)
+        store_kv(self.dev_k, self.dev_v, p, k, v, self.tail_start_dev, S)   # the sink's slot or the tail's
+        if self.tracks_kmax:
+            torch.maximum(self.kmax, k.abs().amax(2).float(), out=self.kmax_next)
         pos = None
         if self.middle_whole or self.middle_bucket:
             if self.middle_bucket and not prefetched:  # no prediction came: fetch from the current query
@@ -255,7 +254,7 @@ class SparseOffloadCache(LayerCache):
         """Append a multi-token step's tokens at positions held..: the sink first, then the tail; all but
         the tail's newest `recent` tokens go to the host store."""
         start, end, S = self.held, self.held + k.shape[2], self.sink
-        for s in range(0, k.shape[2], STORE_CHUNK):  # |K| of a long prompt in chunks: no [T] sized temporary
+        for s in range(0, k.shape[2] if self.tracks_kmax else 0, STORE_CHUNK):  # in chunks: no [T] temporary
             torch.maximum(self.kmax, k[:, :, s:s + STORE_CHUNK].abs().amax(2).float(), out=self.kmax)
         ns = max(0, min(S, end) - start)
         if ns:
