@@ -138,10 +138,11 @@ def sketch_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
 
 
 @op("topk_tokens")
-def topk_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [B, Hkv, N] -> token indices [B, Hkv, min(k, N)] (int64, relative to the scored range), in no
-    promised order (this reference: best first; the kernel: index order)."""
-    return scores.topk(min(k, scores.shape[-1]), dim=-1).indices
+def topk_tokens(scores: torch.Tensor, k: int, offset: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [B, Hkv, N] -> token indices [B, Hkv, min(k, N)] (int64, offset + the index in the scored range),
+    in no promised order (this reference: best first; the kernel: index order); written into `out` if given."""
+    idx = scores.topk(min(k, scores.shape[-1]), dim=-1).indices + offset
+    return idx if out is None else out.copy_(idx)
 
 
 register_kernel("approx_scores", lambda: sparse_select_cuda.load_approx_scores(approx_scores.reference))

@@ -67,11 +67,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         const long long* __restrict__ cand, const unsigned* __restrict__ cand_keys,
         const unsigned* __restrict__ floors, const int n_floors, const int stretch, const int S,
         long long* __restrict__ out, unsigned* __restrict__ out_keys, unsigned* __restrict__ out_floor,
-        const long long out_stride) {
+        const long long out_stride, const long long add) {
     // block (row, s) of S per row takes elements [s * stretch, min(N, (s + 1) * stretch)) of its row: the keys
     // of scores x[i] (cand null), or over the row's N candidates their indices cand and keys cand_keys (index -1:
     // none, key 0). It writes min(K, n) indices in index order to out + block * out_stride, then -1 up to K when
-    // S > 1, and (out_keys not null) their keys the same way and its k-th largest key to out_floor[block] (0 when
+    // S > 1 (each index plus `add`), and (out_keys not null) their keys the same way and its k-th largest key to out_floor[block] (0 when
     // the stretch holds fewer than K). floors (not null): n_floors floors per row (stage 1's); the K-th largest
     // of the whole row is at least their largest, so keys below it are left out of the counting passes.
     __shared__ unsigned hist[2048];
@@ -151,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
             if (keys[v] > T) { slot = pg + min(pe, need); ++pg; }
             else if (keys[v] == T) { if (pe < need) slot = pg + pe; ++pe; }
             if (slot >= 0) {
-                o[slot] = index_at(i0 + v);
+                o[slot] = index_at(i0 + v) + add;
                 if (out_keys) out_keys[(long long)blockIdx.x * out_stride + slot] = keys[v];
             }
         }
@@ -179,15 +179,17 @@ def load(reference):
     """reference: the torch topk_tokens, for the arguments the kernel does not take."""
     fn = compile_module(_SOURCE).get_function("topk_rows")
 
-    def topk_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
-        """fp32 scores [B, H, N] with unit stride along N and rows at one stride, N < 2^31, k <= N; the
-        result is in index order."""
+    def topk_tokens(scores: torch.Tensor, k: int, offset: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 scores [B, H, N] with unit stride along N and rows at one stride, N < 2^31, k <= N, `out`
+        (if given) contiguous int64 [B, H, k] on their device; the result is in index order."""
         B, H, N = scores.shape
         k = min(k, N)
         rows_ok = scores.dim() == 3 and (B == 1 or scores.stride(0) == H * scores.stride(1))
-        if scores.dtype != torch.float32 or scores.stride(-1) != 1 or not rows_ok or N >= 2**31:
-            return reference(scores, k)
-        out = torch.empty(B, H, k, dtype=torch.int64, device=scores.device)
+        out_ok = out is None or (out.shape == (B, H, k) and out.dtype == torch.int64 and out.is_contiguous()
+                                 and out.device == scores.device)
+        if scores.dtype != torch.float32 or scores.stride(-1) != 1 or not rows_ok or N >= 2**31 or not out_ok:
+            return reference(scores, k, offset, out)
+        out = torch.empty(B, H, k, dtype=torch.int64, device=scores.device) if out is None else out
         if k == 0 or B * H == 0:
             return out
         rows, row_stride = B * H, np.int64(scores.stride(1) if H > 1 else scores.stride(0))
@@ -195,25 +197,25 @@ def load(reference):
         def ptr_or_null(t):
             return ptr(t) if t is not None else np.uint64(0)
 
-        def select(n, cand, stretch, segs, dst, keys_out=None, floor_out=None):
+        def select(n, cand, stretch, segs, dst, keys_out=None, floor_out=None, add=0):
             """each of rows x segs blocks: the k best of its stretch into dst (cand: (indices, keys, floors))"""
             c_idx, c_keys, c_floors = cand if cand is not None else (None, None, None)
             args = (ptr(scores), row_stride, np.int32(n), np.int32(k), ptr_or_null(c_idx), ptr_or_null(c_keys),
                     ptr_or_null(c_floors), np.int32(c_floors.shape[-1] if c_floors is not None else 0),
                     np.int32(stretch), np.int32(segs), ptr(dst), ptr_or_null(keys_out), ptr_or_null(floor_out),
-                    np.int64(k))
+                    np.int64(k), np.int64(add))
             launch(fn, (rows * segs,), (THREADS,), args, scores.device)
 
         s = stretches(rows, N, k, torch.cuda.get_device_properties(scores.device).multi_processor_count)
         if s == 1:
-            select(N, None, N, 1, out)
+            select(N, None, N, 1, out, add=offset)
             return out
         dev = scores.device
         cand = torch.empty(rows, s, k, dtype=torch.int64, device=dev)
         keys = torch.empty(rows, s, k, dtype=torch.int32, device=dev)     # the candidates' keys (uint32 bits)
         floors = torch.empty(rows, s, dtype=torch.int32, device=dev)
         select(N, None, -(-N // s), s, cand, keys, floors)         # stage 1: the k best of each stretch
-        select(s * k, (cand, keys, floors), s * k, 1, out)         # stage 2: the k best of the candidates
+        select(s * k, (cand, keys, floors), s * k, 1, out, add=offset)   # stage 2: the k best of the candidates
         return out
 
     return topk_tokens

@@ -139,6 +139,9 @@ def test_topk_tokens_kernel_returns_the_set_of_the_k_largest(B, H, N, k):
     assert got.shape == (B, H, min(k, N)) and got.dtype == torch.int64
     assert torch.equal(got.cpu(), lowest_ties_topk(scores, min(k, N)))  # the set, in index order
     assert torch.equal(topk_tokens(scores, k).sort(-1).values.cpu(), lowest_ties_topk(scores, min(k, N)))
+    out = torch.full((B, H, min(k, N)), -5, dtype=torch.int64, device=scores.device)
+    assert kernel(scores, k, 1000, out) is out                          # an offset, into a caller's buffer
+    assert torch.equal(out.cpu(), lowest_ties_topk(scores, min(k, N)) + 1000)
 
 
 @pytest.mark.cuda

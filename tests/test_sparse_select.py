@@ -128,3 +128,10 @@ def test_approx_scores_lse_rule_and_end_mask_equal_the_two_step_path():
     assert torch.allclose(got[..., :25], want[..., :25], atol=1e-5) and (got[..., 25:] < 0).all()
     with pytest.raises(ValueError, match="psum"):
         approx_scores(q, rows, chans, rule="psum")
+
+
+def test_topk_tokens_reference_adds_the_offset_and_fills_out():
+    scores = torch.tensor([[[0.5, 3.0, -1.0, 2.0, 7.0]]])
+    out = torch.empty(1, 1, 2, dtype=torch.int64)
+    assert topk_tokens(scores, 2, 10, out) is out
+    assert sorted(out.flatten().tolist()) == [11, 14] and sorted(topk_tokens(scores, 2).flatten().tolist()) == [1, 4]

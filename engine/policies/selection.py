@@ -76,7 +76,7 @@ class ChannelSelector(TokenSelector):
             past = torch.arange(lo, lo + n, device=q.device) >= layer.tail_start_dev
             logits = head_scores(q, rows, chans).masked_fill(past, float("-inf"))
             scores = combine_heads(logits, layer.spec.n_kv_heads, self.rule, scale)
-        return topk_tokens(scores, k) + lo
+        return topk_tokens(scores, k, lo)
 
     def channels(self, layer, q_sel):
         """The r channels per KV head [B, Hkv, r] whose K^T rows are fetched, from the query q_sel."""

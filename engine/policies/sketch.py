@@ -108,8 +108,7 @@ class SketchSelector(TokenSelector):
     def prefetch(self, layer, q_sel):
         if not self.ahead:
             return
-        pos = layer.buffer("positions")
-        pos.copy_(self._pick(layer, q_sel))
+        pos = self._pick(layer, q_sel, out=layer.buffer("positions"))
         B, H, N, _, D = layer.host_kv.shape
         gather_rows(layer.host_kv.view(B, H, N, 2 * D), pos, q_sel.device, out=layer.buffer("rows"))
 
@@ -124,8 +123,8 @@ class SketchSelector(TokenSelector):
         r, D = layer.buffer("rows"), layer.spec.head_dim
         return r[..., :D], r[..., D:]
 
-    def _pick(self, layer, q):
-        """Absolute positions [B, Hkv, K] of the top-K middle tokens by q's scores over the sketch."""
+    def _pick(self, layer, q, out=None):
+        """Absolute positions [B, Hkv, K] of the top-K middle tokens by q's scores over the sketch (into out)."""
         lo, n = layer.sink, layer.middle_bucket
         scores = layer.sketch.scores(q, n, layer.tail_start_dev, lo, self.rule)
-        return topk_tokens(scores, layer.topk) + lo
+        return topk_tokens(scores, layer.topk, lo, out)

@@ -41,7 +41,8 @@ STORE_CHUNK = 16384  # prompt tokens copied to the host store at a time
 # A K^T prefetch up to this size starts after the previous layer's attention (it then fits under that layer's
 # MLP and the next projections: ~180 us of an 8B model's step on an H200, ~9 MB at PCIe Gen5 speed); a larger
 # one starts with the previous layer, sharing the link with its reads of host rows (measured on the H200:
-# 32k tokens, 6 MB per layer: 10.4 ms/token late vs 12.2 early; 128k, 25 MB: 27.0 late vs 20.4 early).
+# 32k tokens, 6 MB per layer: 10.4 ms/token late vs 12.2 early; 128k, 25 MB: 27.0 late vs 20.4 early). The
+# sketch's selection and gather start with the previous layer (its attention reads device buffers, not the link).
 LATE_PREFETCH_BYTES = 8 << 20
 
 
@@ -177,7 +178,7 @@ class SparseOffloadCache(LayerCache):
         fetched = min(mid, self.topk)
         kt_rows = 0 if self.sketch is not None else self.r * self.middle_bucket
         kt_bytes = self.spec.batch * self.spec.n_kv_heads * kt_rows * self.host_k.element_size()
-        self.prefetch_after_attention = kt_bytes <= LATE_PREFETCH_BYTES
+        self.prefetch_after_attention = self.sketch is None and kt_bytes <= LATE_PREFETCH_BYTES
         gathered = self.topk if mid > 0 else 0
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
         self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
