@@ -38,10 +38,13 @@ def main():
     print(f"idle gaps > {a.gap_us} us on stream {compute}, by the kernel that ended them (us, count):")
     for name, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"  {t:9.1f} {n:5d}  {name}")
-    marks = [i for i, e in enumerate(ev) if a.marker in e["name"] and e["stream"] == compute]
+    # a CUDA graph spreads a step over streams of its own: the marker is looked for on every stream
+    marks = [i for i, e in enumerate(ev) if a.marker in e["name"]]
     want = [int(x) for x in a.layers.split(",")]
     last = marks[-a.n_layers * a.per_layer:][::a.per_layer]  # the last step's layers
-    lo_i = last[min(want)] if last else 0
+    if max(want) >= len(last):
+        raise SystemExit(f"only {len(last)} layers found by the marker {a.marker!r} (--marker, --per-layer)")
+    lo_i = last[min(want)]
     hi_i = last[max(want) + 1] if last and max(want) + 1 < len(last) else len(ev)
     t0 = ev[lo_i]["ts"]
     print(f"timeline of layers {a.layers} of the last step (t=0 at its {a.marker} kernel), stream {compute} unmarked, others '*':")
