@@ -35,6 +35,8 @@
 #define OFF_V (OFF_KS + D)          //   value codes [64][WPT],
 #define OFF_VS (OFF_V + 64 * WPT)   //   value fp16 scales [64][NGD], then mins
 #define STAGE_WORDS (OFF_VS + 64 * NGD)
+#define MERGE_WORDS (WARPS * G * D + 2 * WARPS * G)   // after the walk: the warps' sums, maxima and totals
+#define SMEM_WORDS (WARPS * STAGES * STAGE_WORDS > MERGE_WORDS ? WARPS * STAGES * STAGE_WORDS : MERGE_WORDS)
 #define NTHR (WARPS * 32)
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define LOG2E 1.4426950408889634f
@@ -73,7 +75,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
         const long long* __restrict__ nk_ptr, const long long* __restrict__ p_ptr, const int R,
         float* __restrict__ part, float* __restrict__ pm, float* __restrict__ pl,
         const int Hkv, const int T, const float sm_scale) {
-    __shared__ __align__(16) unsigned smem[WARPS * STAGES * STAGE_WORDS];
+    __shared__ __align__(16) unsigned smem[SMEM_WORDS];
     __shared__ float wred[WARPS];
     const int chunk = gridDim.x - 1 - blockIdx.x;          // the last chunk (the ring's) starts first
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
