@@ -29,8 +29,8 @@
 #define NTILE (D / 8)               // 8-channel tiles of the value product
 #define TPW (CPW / 8)               // 8-channel tiles per value word
 #define TW (CT / WARPS)             // tokens per warp
-#define RH (G > 8 ? 2 : 1)          // heads per lane: g, and g + 8 when G > 8
-#define NP (G > 8 ? 2 : 1)          // value MMAs per tile: one (rows hi, lo) or one per part (rows = heads)
+#define RH (G > 8 ? 2 : 1)          // heads per lane (g, and g + 8 when G > 8), and value MMAs per tile: one
+                                    // (rows g, g + 8 = hi, lo) or one per part (rows = heads)
 #define OFF_KS (KROWS * D)          // a stage: key codes, D fp16 scales + D fp16 mins,
 #define OFF_V (OFF_KS + D)          //   value codes [64][WPT],
 #define OFF_VS (OFF_V + 64 * WPT)   //   value fp16 scales [64][NGD], then mins
@@ -258,8 +258,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
         const __half* vm = vs + 64 * NGD;
         #pragma unroll
         for (int u = 0; u < 4; ++u) {
-            unsigned af[NP][4];
-            if (NP == 1) {
+            unsigned af[RH][4];
+            if (RH == 1) {
                 split_pair(p[2 * u][0][0], p[2 * u][0][1], af[0][0], af[0][1]);
                 split_pair(p[2 * u + 1][0][0], p[2 * u + 1][0][1], af[0][2], af[0][3]);
             } else {
@@ -268,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
                 #pragma unroll
                 for (int r = 0; r < 2; ++r)
                     split_pair(p[2 * u + h][r % RH][0], p[2 * u + h][r % RH][1], af[0][2 * h + r],
-                               af[NP - 1][2 * h + r]);
+                               af[RH - 1][2 * h + r]);
             }
             const int ta = 16 * u + 2 * c;
             unsigned wv[4][WPT];                               // the code words of tokens ta, ta + 1, ta + 8, ta + 9
@@ -309,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
                 const unsigned b0 = g == 0 ? mc[0][0] : (NGD > 1 && g == 1) ? mc[0][NGD - 1] : 0u;
                 const unsigned b1 = g == 0 ? mc[1][0] : (NGD > 1 && g == 1) ? mc[1][NGD - 1] : 0u;
                 #pragma unroll
-                for (int pp = 0; pp < NP; ++pp) mma_f16(macc, af[pp], b0, b1);
+                for (int pp = 0; pp < RH; ++pp) mma_f16(macc, af[pp], b0, b1);
             }
             #pragma unroll
             for (int k = 0; k < WPT; ++k) {
@@ -325,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
                         const unsigned s0 = pb ? sc2[0][gd] : sc[0][gd], s1 = pb ? sc2[1][gd] : sc[1][gd];
                         const unsigned b0 = prmt(r0, r1, sel) & s0, b1 = prmt(r2, r3, sel) & s1;
                         #pragma unroll
-                        for (int pp = 0; pp < NP; ++pp) mma_f16(o[nt], af[pp], b0, b1);
+                        for (int pp = 0; pp < RH; ++pp) mma_f16(o[nt], af[pp], b0, b1);
                     }
                 }
             }
@@ -347,12 +347,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
                 #pragma unroll
                 for (int n2 = 0; n2 < NTILE; ++n2) {
                     const float v0 = to_float(row[8 * n2]), v1 = to_float(row[8 * n2 + 1]);
-                    if (RH == 1) {
-                        o[n2][0] += pv[0] * v0; o[n2][1] += pv[0] * v1;
-                    } else {
-                        o[n2][0] += pv[0] * v0; o[n2][1] += pv[0] * v1;
-                        o[n2][2] += pv[RH - 1] * v0; o[n2][3] += pv[RH - 1] * v1;
-                    }
+                    o[n2][0] += pv[0] * v0; o[n2][1] += pv[0] * v1;
+                    if (RH == 2) { o[n2][2] += pv[RH - 1] * v0; o[n2][3] += pv[RH - 1] * v1; }
                 }
             }
         }
