@@ -54,6 +54,11 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+def ptr_or_null(t: torch.Tensor | None) -> np.uint64:
+    """An optional tensor argument: its address, or a null pointer for None."""
+    return ptr(t) if t is not None else np.uint64(0)
+
+
 def aligned(t: torch.Tensor, nbytes: int, dims=None) -> bool:
     """The base address and the byte strides of `dims` (default: all but the last; a dimension of size 1 has no
     stride that matters) are multiples of nbytes."""

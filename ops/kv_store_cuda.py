@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tailorkv.ops.cuda_launch import compile_module, launch, ptr
+from tailorkv.ops.cuda_launch import compile_module, launch, ptr, ptr_or_null
 
 MAX_TOKENS = 64
 _SOURCE = r"""
@@ -63,7 +63,7 @@ def load(reference):
         strides = [np.int64(s) for t in ts for s in t.stride()[:3]]
         total = B * H * n * D
         launch(kernels[k.element_size()], (min(-(-2 * total // 256), 1024),), (256,),
-               (ptr(k_dst), ptr(v_dst), ptr(k), ptr(v), ptr(slots), ptr(tail) if tail is not None else np.uint64(0),
+               (ptr(k_dst), ptr(v_dst), ptr(k), ptr(v), ptr(slots), ptr_or_null(tail),
                 np.int64(sink), *strides, np.int32(H), np.int32(n), np.int32(D), np.int64(total)), k.device)
 
     return store_kv

@@ -22,7 +22,7 @@ import math
 import numpy as np
 import torch
 
-from tailorkv.ops.cuda_launch import compile_module, launch, ptr
+from tailorkv.ops.cuda_launch import compile_module, launch, ptr, ptr_or_null
 
 THREADS = 1024
 
@@ -70,9 +70,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         const long long out_stride, const long long add) {
     // block (row, s) of S per row takes elements [s * stretch, min(N, (s + 1) * stretch)) of its row: the keys
     // of scores x[i] (cand null), or over the row's N candidates their indices cand and keys cand_keys (index -1:
-    // none, key 0). It writes min(K, n) indices in index order to out + block * out_stride, then -1 up to K when
-    // S > 1 (each index plus `add`), and (out_keys not null) their keys the same way and its k-th largest key to out_floor[block] (0 when
-    // the stretch holds fewer than K). floors (not null): n_floors floors per row (stage 1's); the K-th largest
+    // none, key 0). It writes min(K, n) indices in index order, each plus `add`, to out + block * out_stride, then
+    // -1 up to K when S > 1, and (out_keys not null) their keys the same way and its k-th largest key to
+    // out_floor[block] (0 when the stretch holds fewer than K). floors (not null): n_floors floors per row (stage 1's); the K-th largest
     // of the whole row is at least their largest, so keys below it are left out of the counting passes.
     __shared__ unsigned hist[2048];
     __shared__ unsigned warp_sums[32];
@@ -193,9 +193,6 @@ def load(reference):
         if k == 0 or B * H == 0:
             return out
         rows, row_stride = B * H, np.int64(scores.stride(1) if H > 1 else scores.stride(0))
-
-        def ptr_or_null(t):
-            return ptr(t) if t is not None else np.uint64(0)
 
         def select(n, cand, stretch, segs, dst, keys_out=None, floor_out=None, add=0):
             """each of rows x segs blocks: the k best of its stretch into dst (cand: (indices, keys, floors))"""
