@@ -102,18 +102,13 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
         return out[0], out[1].reshape(B, Hq, Tq).float()
-    Hkv, Tk = k.shape[1], k.shape[2]
-    g = Hq // Hkv
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     kf, vf = k.float().transpose(-1, -2), v.float()
-    rows = max(1, SCORE_BYTES // (4 * B * Hq * Tk))
+    rows = max(1, SCORE_BYTES // (4 * B * Hq * k.shape[2]))
     for s in range(0, Tq, rows):
         e = min(Tq, s + rows)
-        scores = (q[:, :, s:e].float().reshape(B, Hkv, g * (e - s), D) @ kf).mul_(softmax_scale(D))
-        if causal:
-            seen = torch.arange(Tk, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
-            scores.masked_fill_(~seen.repeat(g, 1), float("-inf"))
+        scores = _grouped_scores(q, kf, s, e, 0 if causal else None)
         l_part = torch.logsumexp(scores, -1, keepdim=True)
         o[:, :, s:e] = ((scores - l_part).exp_() @ vf).reshape(B, Hq, e - s, D).to(q.dtype)
         lse[:, :, s:e] = l_part.reshape(B, Hq, e - s)
@@ -129,21 +124,30 @@ def _attend_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: i
     whose scores stay within SCORE_BYTES. (SDPA with a mask and GQA took its math path on the H200: K and V
     repeated to every head in fp32, 0.69 s for a 23-token turn over 118k tokens.)"""
     b, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    g = hq // hkv
     kf = k.float().transpose(-1, -2)
     out = torch.empty_like(q)
-    rows = max(1, SCORE_BYTES // (4 * b * hq * tk))
+    rows = max(1, SCORE_BYTES // (4 * b * hq * k.shape[2]))
     for s in range(0, tq, rows):
         e = min(tq, s + rows)
         n, end_k = e - s, q_offset + e
-        qg = q[:, :, s:e].reshape(b, hkv, g * n, d).float()          # rows (head in group, token)
-        scores = torch.matmul(qg, kf[..., :end_k]).mul_(softmax_scale(d))
-        seen = torch.arange(end_k, device=q.device)[None, :] <= torch.arange(q_offset + s, end_k, device=q.device)[:, None]
-        scores.masked_fill_(~seen.repeat(g, 1), float("-inf"))
-        probs = scores.softmax(-1).to(v.dtype)
+        probs = _grouped_scores(q, kf[..., :end_k], s, e, q_offset).softmax(-1).to(v.dtype)
         out[:, :, s:e] = _probs_times_values(probs, v[:, :, :end_k]).reshape(b, hq, n, d)
     return out
+
+
+def _grouped_scores(q: torch.Tensor, kf: torch.Tensor, s: int, e: int, first: int | None) -> torch.Tensor:
+    """fp32 scaled scores of queries s..e of q [B, Hq, Tq, D] over kf [B, Hkv, D, Tk] (the keys at positions
+    0..Tk-1, transposed), GQA by grouping the query heads over their KV head: [B, Hkv, group * (e - s), Tk], rows
+    (head in group, token). first: the position of query 0, each query's later keys masked; None: no mask."""
+    b, hq, _, d = q.shape
+    hkv, tk = kf.shape[1], kf.shape[-1]
+    g = hq // hkv
+    scores = torch.matmul(q[:, :, s:e].reshape(b, hkv, g * (e - s), d).float(), kf).mul_(softmax_scale(d))
+    if first is not None:
+        pos = torch.arange(first + s, first + e, device=q.device)
+        seen = torch.arange(tk, device=q.device)[None, :] <= pos[:, None]
+        scores.masked_fill_(~seen.repeat(g, 1), float("-inf"))
+    return scores
 
 
 PV_SPLIT = 4096  # keys per partial product of a later turn's probabilities and values
