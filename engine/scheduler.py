@@ -1,12 +1,15 @@
 """The model cache's scheduler: the one place for streams, events and the two buffer sets that alternate by
 layer, so that what layer l reads can be filled while layer l - 1 computes.
 
-On a GPU there are two streams: the compute stream (torch's current stream) and a copy stream. Work goes to
-the copy stream with `copy_stream(...)`: it first waits for everything queued on the compute stream so far
-(so it sees the inputs it was handed, and memory the compute stream freed before is not reused under it),
-then records an event under a name; the compute stream `wait`s for that name before it reads the results.
-Nothing here blocks the host, and all of it can be captured in a CUDA graph (the copy stream forks from the
-capturing stream and every event is waited before the step ends). On a CPU both are no-ops.
+On a GPU there are three streams: the compute stream (torch's current stream), a copy stream and a select
+stream. Work goes to a side stream with `copy_stream(...)` or `select_stream(...)`: it first waits for
+everything queued on the compute stream so far (so it sees the inputs it was handed, and memory the compute
+stream freed before is not reused under it) and for the side events named in `after`, then records an event
+under a name; the compute stream `wait`s for that name before it reads the results. The select stream is for
+the kernels that choose what the copy stream fetches next (sketch-ahead's scores and top-K): on the copy stream
+they would queue behind the previous layer's row gather, which is bound by PCIe, not by the SMs.
+Nothing here blocks the host, and all of it can be captured in a CUDA graph (the side streams fork from the
+capturing stream and every one is joined before the step ends). On a CPU all of it is a no-op.
 
 A buffer is allocated once, at its first request, and never moves (CUDA graphs hold its address): ask for
 the largest size the policy will ever need.
@@ -30,6 +33,7 @@ class Scheduler:
         self.cuda = self.device.type == "cuda"
         self.overlap = overlap and self.cuda
         self._copy = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY) if self.overlap else None
+        self._select = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY) if self.overlap else None
         self._events: dict[str, torch.cuda.Event] = {}
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._staging: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -39,20 +43,30 @@ class Scheduler:
     def compute(self):
         return torch.cuda.current_stream(self.device) if self.cuda else None
 
+    def copy_stream(self, name: str, after: tuple[str, ...] = ()):
+        """Run the body on the copy stream after the compute stream's queued work and the events `after`;
+        record event `name` after it."""
+        return self._side(self._copy, name, after)
+
+    def select_stream(self, name: str, after: tuple[str, ...] = ()):
+        """As copy_stream, on the select stream."""
+        return self._side(self._select, name, after)
+
     @contextmanager
-    def copy_stream(self, name: str):
-        """Run the body on the copy stream after the compute stream's queued work; record event `name` after."""
+    def _side(self, stream, name: str, after: tuple[str, ...]):
         if not self.overlap:
             yield
             return
         compute = torch.cuda.current_stream(self.device)
-        self._copy.wait_stream(compute)
-        with torch.cuda.stream(self._copy):
+        stream.wait_stream(compute)
+        for e in after:
+            stream.wait_event(self._events[e])
+        with torch.cuda.stream(stream):
             yield
             event = self._events.get(name)
             if event is None:
                 event = self._events[name] = torch.cuda.Event()
-            event.record(self._copy)
+            event.record(stream)
 
     def wait(self, name: str) -> None:
         """The compute stream waits for the copy-stream work recorded under `name`."""
@@ -60,10 +74,11 @@ class Scheduler:
             torch.cuda.current_stream(self.device).wait_event(self._events[name])
 
     def join(self) -> None:
-        """The compute stream waits for everything queued on the copy stream (e.g. host writes that later
+        """The compute stream waits for everything queued on the side streams (e.g. host writes that later
         reads of host memory depend on); the staging tensors go back to the allocator after that wait."""
         if self.overlap:
             torch.cuda.current_stream(self.device).wait_stream(self._copy)
+            torch.cuda.current_stream(self.device).wait_stream(self._select)
         self._staging.clear()
 
     def staging(self, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple[list[torch.Tensor], str]:

@@ -32,6 +32,11 @@ class TokenSelector:
         """What can be fetched before the layer's own query exists, from q_sel (its prediction, or the query
         itself): runs on the copy stream while the layer before computes."""
 
+    def prefetch_ahead(self, layer, q_sel: torch.Tensor, event: str) -> None:
+        """prefetch() on the scheduler's side streams, done when `event` is (the layer waits for it)."""
+        with layer.scheduler.copy_stream(event):
+            self.prefetch(layer, q_sel)
+
     def select(self, layer, q: torch.Tensor) -> torch.Tensor:
         """q: the layer's query [B, Hq, 1, D] -> absolute positions [B, Hkv, K]."""
         raise NotImplementedError
@@ -95,6 +100,9 @@ class ObservedSelector(TokenSelector):
 
     def prefetch(self, layer, q_sel):
         self.inner.prefetch(layer, q_sel)
+
+    def prefetch_ahead(self, layer, q_sel, event):
+        self.inner.prefetch_ahead(layer, q_sel, event)
 
     def buffers(self, layer):
         return self.inner.buffers(layer)

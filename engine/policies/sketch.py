@@ -90,6 +90,9 @@ class SketchSelector(TokenSelector):
     eval/results/2026-11-30-cpu-prediction-variants). A layer that gets no prediction does the same from its
     own query, inside the step."""
 
+    # the scores and top-K of sketch-ahead on their own stream (False: on the copy stream, before the gather)
+    SELECT_STREAM = True
+
     def __init__(self, rule: str = "lse", ahead: bool = False):
         self.rule, self.ahead = rule, ahead
 
@@ -106,11 +109,25 @@ class SketchSelector(TokenSelector):
                 "rows": ((B, H, k, 2 * D), (B * H * k * 2 * D,), s.dtype)}
 
     def prefetch(self, layer, q_sel):
+        if self.ahead:
+            self._gather(layer, self._pick(layer, q_sel, out=layer.buffer("positions")))
+
+    def prefetch_ahead(self, layer, q_sel, event):
+        """The scores and top-K on the select stream, the gather on the copy stream after them: the next
+        layer's choice need not wait behind this layer's gather (bound by PCIe, not by the SMs)."""
+        if not self.SELECT_STREAM:
+            return super().prefetch_ahead(layer, q_sel, event)
         if not self.ahead:
             return
-        pos = self._pick(layer, q_sel, out=layer.buffer("positions"))
+        picked = event + ":picked"
+        with layer.scheduler.select_stream(picked):
+            pos = self._pick(layer, q_sel, out=layer.buffer("positions"))
+        with layer.scheduler.copy_stream(event, after=(picked,)):
+            self._gather(layer, pos)
+
+    def _gather(self, layer, pos):
         B, H, N, _, D = layer.host_kv.shape
-        gather_rows(layer.host_kv.view(B, H, N, 2 * D), pos, q_sel.device, out=layer.buffer("rows"))
+        gather_rows(layer.host_kv.view(B, H, N, 2 * D), pos, pos.device, out=layer.buffer("rows"))
 
     def select(self, layer, q):
         if layer.middle_whole:

@@ -140,8 +140,7 @@ class SparseOffloadCache(LayerCache):
         the copy stream, while that layer computes (run() waits for them)."""
         self.q_hat = q_hat
         if self.middle_bucket and self.selector.fetches_ahead:
-            with self.scheduler.copy_stream(self._fetched):
-                self.selector.prefetch(self, q_hat)
+            self.selector.prefetch_ahead(self, q_hat, self._fetched)
             self.prefetched = True
 
     def kmax_before(self) -> torch.Tensor:
