@@ -7,6 +7,8 @@ graph of 31 gathers (the engine's gather_rows kernel) alone and beside 31 layers
     31-stores:   a store per layer (the step's layout), new sorted rows per layer
     31-unsorted: as 31-stores, rows in random order
     31-thp:      as 31-stores, the stores on transparent 2 MiB pages (mmap + madvise + cudaHostRegister)
+    31-vmm:      as 31-stores, each store host memory from the driver's virtual memory API (cuMemCreate with a
+                 host location, mapped at its allocation granularity: the GPU's page tables hold 2 MiB pages)
     PYTHONPATH=src python3 bench/gather_pages.py --out DIR"""
 from __future__ import annotations
 
@@ -55,6 +57,44 @@ def thp_store():
     return torch.frombuffer(buf, dtype=torch.bfloat16).view(1, HKV, N, 2 * D)
 
 
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("handle_types", ctypes.c_int), ("location", _Location),
+                ("win32", ctypes.c_void_p), ("flags", ctypes.c_ubyte * 8)]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+def vmm_store(dev):
+    """A [1, HKV, N, 2D] bf16 tensor over pinned host memory made with cuMemCreate (location: host) and mapped
+    for the device at the allocation granularity. The CPU gets access too where the driver allows it."""
+    cu = ctypes.CDLL("libcuda.so.1")
+
+    def check(rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed: CUresult {rc}")
+    prop = _AllocProp(type=1, handle_types=0, location=_Location(type=2, id=0))   # pinned, CU_MEM_LOCATION_TYPE_HOST
+    gran = ctypes.c_size_t()
+    check(cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 1), "cuMemGetAllocationGranularity")
+    size = -(-STORE_BYTES // gran.value) * gran.value
+    handle, va = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+    check(cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_ulonglong(0)),
+          "cuMemCreate")
+    check(cu.cuMemAddressReserve(ctypes.byref(va), ctypes.c_size_t(size), ctypes.c_size_t(gran.value),
+                                 ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+    check(cu.cuMemMap(va, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)), "cuMemMap")
+    check(cu.cuMemSetAccess(va, ctypes.c_size_t(size), ctypes.byref(_AccessDesc(_Location(1, dev.index or 0), 3)),
+                            ctypes.c_size_t(1)), "cuMemSetAccess (device)")
+    cpu = cu.cuMemSetAccess(va, ctypes.c_size_t(size), ctypes.byref(_AccessDesc(_Location(2, 0), 3)), ctypes.c_size_t(1))
+    buf = (ctypes.c_byte * STORE_BYTES).from_address(va.value)
+    return torch.frombuffer(buf, dtype=torch.bfloat16).view(1, HKV, N, 2 * D), gran.value, cpu == 0
+
+
 def sorted_rows(dev):
     return torch.randint(0, N, (1, HKV, K), device=dev).sort(-1).values
 
@@ -88,8 +128,12 @@ def main():
         host_gather_cuda.MAX_BLOCKS, host_gather_cuda.UNROLL = blocks, unroll
         gather = host_gather_cuda.load(gather_rows.reference)
         huge_before = anon_huge_kib()
+        cpu_ok, gran = True, None
         if case == "31-thp":
             stores = [thp_store() for _ in range(LAYERS)]
+        elif case == "31-vmm":
+            made = [vmm_store(dev) for _ in range(LAYERS)]
+            stores, gran, cpu_ok = [m[0] for m in made], made[0][1], all(m[2] for m in made)
         elif case.startswith("31-"):
             stores = [torch.empty(1, HKV, N, 2 * D, dtype=torch.bfloat16).pin_memory() for _ in range(LAYERS)]
         else:
@@ -101,16 +145,17 @@ def main():
             idx = [torch.randint(0, N, (1, HKV, K), device=dev) for _ in range(LAYERS)]
         else:
             idx = [sorted_rows(dev) for _ in range(LAYERS)]
-        want = stores[3][0, 2, idx[3][0, 2, 7]].to(dev)
-        gather(stores[3], idx[3], dev, out=rows)
-        torch.cuda.synchronize()
-        assert torch.equal(rows[0, 2, 7], want), case
+        if cpu_ok:
+            want = stores[3][0, 2, idx[3][0, 2, 7]].to(dev)
+            gather(stores[3], idx[3], dev, out=rows)
+            torch.cuda.synchronize()
+            assert torch.equal(rows[0, 2, 7], want), case
 
         def gathers():
             for s, i in zip(stores, idx):
                 gather(s, i, dev, out=rows)
         g_side = graph_of(gathers, side)
-        row = {"case": case, "blocks": blocks, "unroll": unroll, "anon_huge_mib": huge_mib}
+        row = {"case": case, "granularity": gran, "cpu_access": cpu_ok, "blocks": blocks, "unroll": unroll, "anon_huge_mib": huge_mib}
         for beside in (False, True):
             side_ms, dense_ms = [], []
             for _ in range(a.reps):
