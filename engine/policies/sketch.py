@@ -70,15 +70,13 @@ class KeySketch:
         rem = t % g
         self.pending = x[:, :, t - rem:t].clone() if rem else None
 
-    def scores(self, q: torch.Tensor, n: int, end: torch.Tensor, offset: int, rule: str,
-               heads: slice = slice(None)) -> torch.Tensor:
+    def scores(self, q: torch.Tensor, n: int, end: torch.Tensor, offset: int, rule: str) -> torch.Tensor:
         """q [B, Hq, 1, D] -> [B, Hkv, n] fp32: the scaled logits over the first n sketched positions (n a
         multiple of the group), -inf from absolute position `end` on (positions past self.n hold stale or
-        padded data), the group's heads combined by `rule`; position i of the sketch is absolute offset + i.
-        heads: those KV heads only (q then holds their query heads alone)."""
+        padded data), the group's heads combined by `rule`; position i of the sketch is absolute offset + i."""
         g = self.group
-        return sketch_scores(q, self.codes[:, heads, :n], self.scale[:, heads, :n // g],
-                             self.min[:, heads, :n // g], self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]))
+        return sketch_scores(q, self.codes[:, :, :n], self.scale[:, :, :n // g], self.min[:, :, :n // g],
+                             self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]))
 
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
@@ -94,9 +92,6 @@ class SketchSelector(TokenSelector):
 
     # the scores and top-K of sketch-ahead on their own stream (False: on the copy stream, before the gather)
     SELECT_STREAM = True
-    # with the select stream, a layer's KV heads in this many slices (batch 1): a slice's gather starts while the
-    # next slice is chosen
-    PIECES = 2
 
     def __init__(self, rule: str = "lse", ahead: bool = False):
         self.rule, self.ahead = rule, ahead
@@ -124,20 +119,15 @@ class SketchSelector(TokenSelector):
             return super().prefetch_ahead(layer, q_sel, event)
         if not self.ahead:
             return
-        B, H = layer.host_kv.shape[:2]
-        pieces = self.PIECES if B == 1 and H % self.PIECES == 0 else 1   # batch 1: each slice's buffers contiguous
-        for i in range(pieces):
-            heads = slice(i * H // pieces, (i + 1) * H // pieces)
-            picked, done = f"{event}:picked{i}", event if i == pieces - 1 else f"{event}:{i}"
-            with layer.scheduler.select_stream(picked):
-                pos = self._pick(layer, q_sel, out=layer.buffer("positions")[:, heads], heads=heads)
-            with layer.scheduler.copy_stream(done, after=(picked,)):
-                self._gather(layer, pos, heads)
+        picked = event + ":picked"
+        with layer.scheduler.select_stream(picked):
+            pos = self._pick(layer, q_sel, out=layer.buffer("positions"))
+        with layer.scheduler.copy_stream(event, after=(picked,)):
+            self._gather(layer, pos)
 
-    def _gather(self, layer, pos, heads: slice = slice(None)):
+    def _gather(self, layer, pos):
         B, H, N, _, D = layer.host_kv.shape
-        gather_rows(layer.host_kv.view(B, H, N, 2 * D)[:, heads], pos, pos.device,
-                    out=layer.buffer("rows")[:, heads])
+        gather_rows(layer.host_kv.view(B, H, N, 2 * D), pos, pos.device, out=layer.buffer("rows"))
 
     def select(self, layer, q):
         if layer.middle_whole:
@@ -150,12 +140,8 @@ class SketchSelector(TokenSelector):
         r, D = layer.buffer("rows"), layer.spec.head_dim
         return r[..., :D], r[..., D:]
 
-    def _pick(self, layer, q, out=None, heads: slice = slice(None)):
-        """Absolute positions [B, Hkv, K] of the top-K middle tokens by q's scores over the sketch (into out);
-        heads: those KV heads only."""
+    def _pick(self, layer, q, out=None):
+        """Absolute positions [B, Hkv, K] of the top-K middle tokens by q's scores over the sketch (into out)."""
         lo, n = layer.sink, layer.middle_bucket
-        G = q.shape[1] // layer.spec.n_kv_heads
-        if heads != slice(None):
-            q = q[:, heads.start * G:heads.stop * G]
-        scores = layer.sketch.scores(q, n, layer.tail_start_dev, lo, self.rule, heads)
+        scores = layer.sketch.scores(q, n, layer.tail_start_dev, lo, self.rule)
         return topk_tokens(scores, layer.topk, lo, out)
