@@ -14,8 +14,6 @@ their keys and the stretch's k-th largest key (its floor), stage 2 the k best of
 their keys as stage 1 wrote them; the row's k-th largest is at least the largest floor, so stage 2 counts only
 the candidates at or above it. The candidates come in index order, so ties still go to the lowest index.
 (Adding a warp's lanes that count the same bin once, with __match_any_sync, made stage 1 slower: 15.1 -> 18.9 us.)
-A block whose keys fit (STAGED_BYTES_MAX) reads them from global memory once, into dynamic shared memory, and its
-passes read them there.
 """
 from __future__ import annotations
 
@@ -27,8 +25,6 @@ import torch
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr, ptr_or_null
 
 THREADS = 1024
-# a block's keys staged in shared memory when they fit in this many bytes (0: read from global memory every pass)
-STAGED_BYTES_MAX = 96 * 1024
 
 _SOURCE = r"""
 #define THREADS 1024
@@ -71,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         const long long* __restrict__ cand, const unsigned* __restrict__ cand_keys,
         const unsigned* __restrict__ floors, const int n_floors, const int stretch, const int S,
         long long* __restrict__ out, unsigned* __restrict__ out_keys, unsigned* __restrict__ out_floor,
-        const long long out_stride, const long long add, const int staged) {
+        const long long out_stride, const long long add) {
     // block (row, s) of S per row takes elements [s * stretch, min(N, (s + 1) * stretch)) of its row: the keys
     // of scores x[i] (cand null), or over the row's N candidates their indices cand and keys cand_keys (index -1:
     // none, key 0). It writes min(K, n) indices in index order, each plus `add`, to out + block * out_stride, then
@@ -81,7 +77,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
     __shared__ unsigned hist[2048];
     __shared__ unsigned warp_sums[32];
     __shared__ unsigned s_bin, s_above;
-    extern __shared__ unsigned skeys[];  // staged (not 0): the stretch's keys, read once from global memory
     const int row = blockIdx.x / S, seg = blockIdx.x % S;
     const float* x = scores + (long long)row * row_stride;
     const long long* c = cand ? cand + (long long)row * N : nullptr;
@@ -90,12 +85,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
     const int lo = seg * stretch, n = min(N - lo, stretch), k = min(K, n), t = threadIdx.x;
     unsigned floor_key = 0u;
     for (int s = 0; s < n_floors; ++s) floor_key = max(floor_key, floors[row * n_floors + s]);
-    auto load_key = [&](int i) -> unsigned { return c ? ck[lo + i] : key_of(x[lo + i]); };  // i < n
-    if (staged) {
-        for (int i = t; i < n; i += THREADS) skeys[i] = load_key(i);
-        __syncthreads();
-    }
-    auto key_at = [&](int i) -> unsigned { return staged ? skeys[i] : load_key(i); };
+    auto key_at = [&](int i) -> unsigned { return c ? ck[lo + i] : key_of(x[lo + i]); };  // i < n
     auto index_at = [&](int i) -> long long { return c ? c[lo + i] : (long long)(lo + i); };
     unsigned prefix = 0u, mask = 0u;
     unsigned need = (unsigned)k;  // keys still to take among those matching prefix/mask
@@ -211,10 +201,7 @@ def load(reference):
                     ptr_or_null(c_floors), np.int32(c_floors.shape[-1] if c_floors is not None else 0),
                     np.int32(stretch), np.int32(segs), ptr(dst), ptr_or_null(keys_out), ptr_or_null(floor_out),
                     np.int64(k), np.int64(add))
-            staged = 4 * stretch if 4 * stretch <= STAGED_BYTES_MAX else 0
-            if staged > fn.max_dynamic_shared_size_bytes:
-                fn.max_dynamic_shared_size_bytes = STAGED_BYTES_MAX
-            launch(fn, (rows * segs,), (THREADS,), args + (np.int32(staged > 0),), scores.device, shared_mem=staged)
+            launch(fn, (rows * segs,), (THREADS,), args, scores.device)
 
         s = stretches(rows, N, k, torch.cuda.get_device_properties(scores.device).multi_processor_count)
         if s == 1:
