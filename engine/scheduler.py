@@ -25,7 +25,6 @@ import torch
 # node): its gathers take SM slots ahead of the compute stream's queued blocks instead of waiting behind a GEMV
 # that fills every SM. Measured on the H200 (tailorkv, 8B shape): 32k 11.76 -> 10.32 ms/token, 8k and 128k equal.
 COPY_STREAM_PRIORITY = -5
-SELECT_STREAM_PRIORITY = -5
 
 
 class Scheduler:
@@ -34,7 +33,7 @@ class Scheduler:
         self.cuda = self.device.type == "cuda"
         self.overlap = overlap and self.cuda
         self._copy = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY) if self.overlap else None
-        self._select = torch.cuda.Stream(self.device, priority=SELECT_STREAM_PRIORITY) if self.overlap else None
+        self._select = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY) if self.overlap else None
         self._events: dict[str, torch.cuda.Event] = {}
         self.sets = 2  # buffer sets, alternating by layer (ModelCache raises it for predictions further ahead)
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
