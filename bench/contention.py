@@ -42,13 +42,8 @@ def replay_timed(graph, stream):
     return start, end
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--priority", type=int, default=-5, help="the side stream's (the engine's copy stream: -5)")
-    a = ap.parse_args()
-    dev = torch.device("cuda")
+def dense_gemvs(dev):
+    """A function that runs the 31 layers' projections of the 8B shape (distinct random weights per layer)."""
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     weights = [[torch.randn(*s, device=dev, dtype=torch.bfloat16) * 0.02 for s in shapes] for _ in range(LAYERS)]
     x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
@@ -57,6 +52,17 @@ def main():
     def dense():
         for w in weights:
             linear(x, w[0]), linear(x, w[1]), linear(x, w[2]), linear(h, w[3])
+    return dense
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--priority", type=int, default=-5, help="the side stream's (the engine's copy stream: -5)")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    dense = dense_gemvs(dev)
 
     host = torch.randn(1, HKV, N, 2 * D, dtype=torch.bfloat16).pin_memory()
     idx = torch.randint(0, N, (1, HKV, K), device=dev)

@@ -21,12 +21,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from contention import D, HKV, K, LAYERS, N, graph_of, replay_timed  # noqa: E402
+from contention import D, HKV, K, LAYERS, N, dense_gemvs, graph_of, replay_timed  # noqa: E402
 
 from tailorkv.engine.results import environment, write_json  # noqa: E402
 from tailorkv.ops import host_gather_cuda  # noqa: E402
 from tailorkv.ops.host_gather import gather_rows  # noqa: E402
-from tailorkv.ops.linear import linear  # noqa: E402
 
 STORE_BYTES = HKV * N * 2 * D * 2
 
@@ -108,15 +107,7 @@ def main():
                     "e.g. 16x4,16x8,32x4 (each case is timed with each; default: the module's)")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-    weights = [[torch.randn(*s, device=dev, dtype=torch.bfloat16) * 0.02 for s in shapes] for _ in range(LAYERS)]
-    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
-    h = torch.randn(1, 14336, device=dev, dtype=torch.bfloat16)
-
-    def dense():
-        for w in weights:
-            linear(x, w[0]), linear(x, w[1]), linear(x, w[2]), linear(h, w[3])
-
+    dense = dense_gemvs(dev)
     main_stream, side = torch.cuda.Stream(dev), torch.cuda.Stream(dev, priority=-5)
     g_dense = graph_of(dense, main_stream)
     rows = torch.empty(1, HKV, K, 2 * D, device=dev, dtype=torch.bfloat16)
