@@ -130,12 +130,31 @@ def sketch_mirror(q, kc, ks, km, bits, end, offset, rule, sm):
     return torch.logsumexp(logits, 2) if rule == "lse" else logits.sum(2)
 
 
+def sketch_rounding_bound(q, kc, ks, km, bits, end, offset, rule, sm):
+    """How far the kernel's scores may lie from the exact ones by its roundings alone, per KV head and token: each
+    weight q * scale rounded to fp16 (2^-11 relative), and an fp32 q first to fp16 (2^-11 more, on the min term
+    too); per head sm * sum_d |q s c| (+ |q min|), summed over the group's heads for rule sum, their largest for
+    lse (1-Lipschitz in the largest change), with 1% slack for the fp32 accumulation."""
+    B, Hq, _, D = q.shape
+    Hkv, N = kc.shape[1], kc.shape[2]
+    qa = q.double().abs().reshape(B, Hkv, Hq // Hkv, D)
+    grp = torch.arange(N, device=q.device) // 64
+    codes = dequantize_sketch(kc, torch.ones_like(ks), torch.zeros_like(km), bits, 64).double()   # [B, Hkv, N, D]
+    sc = ks.double()[:, :, grp] * codes                                                          # |scale * code|
+    per_head = qa @ sc.transpose(-1, -2)                                                         # [B, Hkv, G, N]
+    if q.dtype == torch.float32:
+        per_head = 2 * per_head + qa @ km.double().abs()[:, :, grp].transpose(-1, -2)
+    err = 1.01 * 2.0 ** -11 * sm * per_head
+    return err.sum(2) if rule == "sum" else err.amax(2)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits,B,hq,hkv,T,D,dtype,rule", SKETCH_CASES)
 def test_sketch_scores_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype, rule):
     """The kernel (the group's heads combined, masked from `end` on) on views of a larger sketch as the policy
     passes them: within fp32 rounding of the same arithmetic in float64 (its one rounding, the per-channel
-    weight q * scale in fp16), and within 1e-3 of the exact torch reference."""
+    weight q * scale in fp16), and every score within that rounding's bound of the exact torch reference (a
+    norm-relative 1e-3 failed on 0.2-2% of random inputs of the small cases, where the few scores cancel)."""
     from tailorkv.ops.sparse_select import sketch_scores
     g = torch.Generator().manual_seed(SEED + T + hq + bits + 11)
     kc, ks, km = random_keys(g, B, hkv, T + 256, D, bits, "cuda", sketch=True)
@@ -153,7 +172,8 @@ def test_sketch_scores_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype, ru
         assert torch.equal(torch.isinf(got), torch.isinf(want)), f"mask differs at end {end}"
         fin = torch.isfinite(want)
         if fin.any():
-            assert rel_err(got[fin], want[fin]) < 1e-3
+            bound = sketch_rounding_bound(*args[:4], bits, end, offset, rule, sm)
+            assert ((got.double() - want.double()).abs() <= bound)[fin].all(), "beyond the fp16 weights' rounding"
             assert rel_err(got[fin], sketch_mirror(*args[:4], bits, end, offset, rule, sm)[fin]) < 1e-5
 
 
