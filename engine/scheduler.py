@@ -69,7 +69,7 @@ class Scheduler:
             event.record(stream)
 
     def wait(self, name: str) -> None:
-        """The compute stream waits for the copy-stream work recorded under `name`."""
+        """The compute stream waits for the side-stream work recorded under `name`."""
         if self.overlap:
             torch.cuda.current_stream(self.device).wait_event(self._events[name])
 

@@ -30,7 +30,7 @@ class TokenSelector:
 
     def prefetch(self, layer, q_sel: torch.Tensor) -> None:
         """What can be fetched before the layer's own query exists, from q_sel (its prediction, or the query
-        itself): runs on the copy stream while the layer before computes."""
+        itself): runs on the side streams (prefetch_ahead) while the layer before computes."""
 
     def prefetch_ahead(self, layer, q_sel: torch.Tensor, event: str) -> None:
         """prefetch() on the scheduler's side streams, done when `event` is (the layer waits for it)."""
