@@ -102,7 +102,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--cases", default="same-rows,one-store,31-stores,31-unsorted,31-thp")
+    ap.add_argument("--cases", default="same-rows,one-store,31-stores,31-unsorted,31-thp,31-vmm")
     ap.add_argument("--variants", default="", help="blocks x loads in flight per thread of the short-row kernel, "
                     "e.g. 16x4,16x8,32x4 (each case is timed with each; default: the module's)")
     a = ap.parse_args()
