@@ -61,11 +61,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
         const __half* __restrict__ scale, const long long ssb, const long long ssh,
         const __half* __restrict__ mins, const long long msb, const long long msh,
         float* __restrict__ out, const int Hkv, const int N, const int ngroups, const int groups_per_block,
-        const float sm_scale, const long long* __restrict__ end, const long long offset) {{
+        const float sm_scale, const long long* __restrict__ end, const long long offset,
+        int* __restrict__ c_count, int* __restrict__ c_index, float* __restrict__ c_score,
+        const float* __restrict__ c_threshold, const int cap) {{
     __shared__ __align__(16) unsigned stage[WARPS][STAGES][STAGE_WORDS];
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long endv = *end;
+    const float thr = c_count ? c_threshold[bh] : 0.f;
 
     // B operand of head g (zero past G): channels 16 kt + 2c, +1 (k = 2c, 2c+1) and 16 kt + 2c + 8, +9
     float qv[KT][4];
@@ -191,11 +194,36 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
         #pragma unroll
         for (int i = 0; i < 8; ++i) r[i] *= LN2;
 #endif
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) r[i] = offset + grp * GROUP + 8 * i + g >= endv ? NEG_INF : r[i];
         if (c == 0) {{
             #pragma unroll
             for (int i = 0; i < 8; ++i) {{
                 const int tok = grp * GROUP + 8 * i + g;   // tile i / 2, row g + 8 (i % 2)
-                if (tok < N) out[(long long)bh * N + tok] = offset + tok >= endv ? NEG_INF : r[i];
+                if (tok < N) out[(long long)bh * N + tok] = r[i];
+            }}
+        }}
+        if (c_count) {{  // list the tokens at or above the row's threshold (NaN too): one atomic per warp and group
+            unsigned listed[8];
+            int total = 0;
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) {{
+                listed[i] = __ballot_sync(0xffffffffu, c == 0 && grp * GROUP + 8 * i + g < N && !(r[i] < thr));
+                total += __popc(listed[i]);
+            }}
+            if (total) {{
+                int at = 0;
+                if (lane == 0) at = atomicAdd(c_count + bh, total);
+                at = __shfl_sync(0xffffffffu, at, 0);
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) {{
+                    const int pos = at + __popc(listed[i] & ((1u << lane) - 1u));
+                    if ((listed[i] >> lane) & 1u && pos < cap) {{
+                        c_index[(long long)bh * cap + pos] = grp * GROUP + 8 * i + g;
+                        c_score[(long long)bh * cap + pos] = r[i];
+                    }}
+                    at += __popc(listed[i]);
+                }}
             }}
         }}
     }});
@@ -237,13 +265,14 @@ def load(reference):
     compile_module(source(2, 128, 4, torch.bfloat16, 2)).get_function("sketch_scores_kernel")  # fail early
     kernels = {}
 
-    def sketch_scores(q, k_codes, k_scale, k_min, bits, group, end, offset=0, rule="lse", sm_scale=1.0):
+    def sketch_scores(q, k_codes, k_scale, k_min, bits, group, end, offset=0, rule="lse", sm_scale=1.0, carry=None):
         """The kernel for 1/2/4 bits, group 64, head_dim 64/128, up to 8 query heads per KV head, rule sum or
         lse, a one-element int64 `end` on q's device, code/scale/min rows contiguous with 16-byte aligned
-        heads; else the torch reference."""
+        heads; else the torch reference. A carry (ops/topk_carry.py, of B * Hkv rows on q's device) gets the
+        tokens at or above its thresholds listed."""
         if (rule not in RULES or not supported(q, k_codes, k_scale, k_min, bits, group)
                 or end.numel() != 1 or end.dtype != torch.int64 or end.device != q.device):
-            return reference(q, k_codes, k_scale, k_min, bits, group, end, offset, rule, sm_scale)
+            return reference(q, k_codes, k_scale, k_min, bits, group, end, offset, rule, sm_scale, carry)
         B, Hq, _, D = q.shape
         Hkv, N = k_codes.shape[1], k_codes.shape[2]
         out = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
@@ -252,6 +281,9 @@ def load(reference):
         key = (bits, D, Hq // Hkv, q.dtype, RULES[rule])
         if key not in kernels:
             kernels[key] = compile_module(source(*key)).get_function("sketch_scores_kernel")
+        c = carry if carry is not None and carry.fits(B * Hkv, q.device) else None
+        listing = ((ptr(c.count), ptr(c.index), ptr(c.score), ptr(c.threshold), np.int32(c.cap)) if c is not None
+                   else (np.uint64(0),) * 4 + (np.int32(0),))
         ngroups = -(-N // GROUP)
         gpb = units_per_block(ngroups * B * Hkv, WARPS, q.device)
         launch(kernels[key], (-(-ngroups // gpb), B * Hkv), (WARPS * 32,),
@@ -260,7 +292,7 @@ def load(reference):
                 ptr(k_scale), np.int64(k_scale.stride(0)), np.int64(k_scale.stride(1)),
                 ptr(k_min), np.int64(k_min.stride(0)), np.int64(k_min.stride(1)),
                 ptr(out), np.int32(Hkv), np.int32(N), np.int32(ngroups), np.int32(gpb), np.float32(sm_scale),
-                ptr(end), np.int64(offset)), q.device)
+                ptr(end), np.int64(offset)) + listing, q.device)
         return out
 
     return sketch_scores

@@ -26,6 +26,7 @@ from tailorkv.ops import sketch_scores_cuda, sparse_select_cuda, topk_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 from tailorkv.ops.quant import dequantize_sketch
 from tailorkv.ops.quant_attention import CHUNK
+from tailorkv.ops.topk_carry import TopKCarry
 
 CHANNEL_RULES = ("paper", "max", "l2")
 COMBINE_RULES = ("sum", "lse", "psum")
@@ -119,11 +120,11 @@ def combine_heads(scores: torch.Tensor, n_kv: int, rule: str = "lse", sm_scale: 
 @op("sketch_scores")
 def sketch_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_min: torch.Tensor, bits: int,
                   group: int, end: torch.Tensor, offset: int = 0, rule: str = "lse",
-                  sm_scale: float = 1.0) -> torch.Tensor:
+                  sm_scale: float = 1.0, carry: TopKCarry | None = None) -> torch.Tensor:
     """q [B, Hq, 1, D] over a key sketch (ops/quant.py's quantize_sketch layout, N = k_codes.shape[2] tokens)
     -> [B, Hkv, N] fp32: the scaled logits sm_scale * q_h . dequant(K), -inf where n + offset >= end (a
     one-element int64 tensor), combined over each KV head's query heads by `rule` (combine_heads with sm_scale 1:
-    the logits are scaled)."""
+    the logits are scaled). `carry` (ops/topk_carry.py) only lets the kernel list tokens for topk_tokens'."""
     B, Hkv, N = k_codes.shape[:3]
     qg = _grouped(q, Hkv) * sm_scale                                                  # [B, Hkv, G, D]
     logits = torch.empty(B, Hkv, qg.shape[2], N, dtype=torch.float32, device=q.device)
@@ -138,9 +139,11 @@ def sketch_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
 
 
 @op("topk_tokens")
-def topk_tokens(scores: torch.Tensor, k: int, offset: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+def topk_tokens(scores: torch.Tensor, k: int, offset: int = 0, out: torch.Tensor | None = None,
+                carry: TopKCarry | None = None) -> torch.Tensor:
     """scores [B, Hkv, N] -> token indices [B, Hkv, min(k, N)] (int64, offset + the index in the scored range),
-    in no promised order (this reference: best first; the kernel: index order); written into `out` if given."""
+    in no promised order (this reference: best first; the kernel: index order); written into `out` if given.
+    `carry` (ops/topk_carry.py) only lets the kernel select among the tokens sketch_scores' kernel listed."""
     idx = scores.topk(min(k, scores.shape[-1]), dim=-1).indices + offset
     return idx if out is None else out.copy_(idx)
 

@@ -159,3 +159,20 @@ class One:
             object.__setattr__(self, name, value)
         else:
             setattr(self.policy, name, value)
+
+
+def random_keys(g, B, H, T, D, bits, device, sketch=False):
+    """Packed keys of T tokens (a multiple of 32 / bits; any T for a sketch) in quantize_keys' layout, or in
+    quantize_sketch's: quantized real data for the whole groups, then random codes, scales and mins for a
+    partial group."""
+    from tailorkv.ops.quant import codes_per_word, quantize_keys, quantize_sketch
+    Tq = T - T % 64
+    k = torch.randn(B, H, Tq, D, generator=g) * torch.exp(torch.randn(D, generator=g))
+    kc, ks, km = (quantize_sketch if sketch else quantize_keys)(k, bits, 64)
+    if T > Tq:
+        rows = T - Tq if sketch else (T - Tq) // codes_per_word(bits)   # a token's row / a word row per CPW tokens
+        extra = torch.randint(-2**31, 2**31, (B, H, rows, kc.shape[3]), generator=g, dtype=torch.int64)
+        kc = torch.cat([kc, extra.to(torch.int32)], 2)
+        ks = torch.cat([ks, torch.rand(B, H, 1, D, generator=g).half()], 2)
+        km = torch.cat([km, -torch.rand(B, H, 1, D, generator=g).half()], 2)
+    return kc.to(device), ks.to(device), km.to(device)

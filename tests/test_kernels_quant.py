@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tailorkv.ops import dispatch
-from tailorkv.ops.quant import codes_per_word, dequantize_sketch, quantize_keys, quantize_sketch, quantize_values, unpack
+from tailorkv.ops.quant import dequantize_sketch, quantize_values, unpack
+from helpers import random_keys
 from tailorkv.ops.quant_attention import av_quant, qk_quant, quant_decode_attention
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
@@ -39,22 +40,6 @@ def plain_keys(codes, scale, mn, bits, group=64):
 def plain_values(codes, scale, mn, bits, group):
     c = unpack(codes, bits, dim=3).float()
     return c * scale.float().repeat_interleave(group, 3) + mn.float().repeat_interleave(group, 3)
-
-
-def random_keys(g, B, H, T, D, bits, device, sketch=False):
-    """Packed keys of T tokens (a multiple of 32 / bits; any T for a sketch) in quantize_keys' layout, or in
-    quantize_sketch's: quantized real data for the whole groups, then random codes, scales and mins for a
-    partial group."""
-    Tq = T - T % 64
-    k = torch.randn(B, H, Tq, D, generator=g) * torch.exp(torch.randn(D, generator=g))
-    kc, ks, km = (quantize_sketch if sketch else quantize_keys)(k, bits, 64)
-    if T > Tq:
-        rows = T - Tq if sketch else (T - Tq) // codes_per_word(bits)   # a token's row / a word row per CPW tokens
-        extra = torch.randint(-2**31, 2**31, (B, H, rows, kc.shape[3]), generator=g, dtype=torch.int64)
-        kc = torch.cat([kc, extra.to(torch.int32)], 2)
-        ks = torch.cat([ks, torch.rand(B, H, 1, D, generator=g).half()], 2)
-        km = torch.cat([km, -torch.rand(B, H, 1, D, generator=g).half()], 2)
-    return kc.to(device), ks.to(device), km.to(device)
 
 
 QK_CASES = [  # (bits, B, Hq, Hkv, T, D, q dtype)

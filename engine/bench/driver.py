@@ -256,8 +256,19 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     out["stats"] = _median_stats(step_stats)
     out["tokens_held"] = cache.length
     out["greedy_tokens"] = torch.cat(decoded, 1)[0].tolist()  # row 0's greedy tokens, prefill's first
+    out["topk_searches"] = topk_searches(cache)
     del runner, cache, logits, tok
     return out
+
+
+def topk_searches(cache) -> dict | None:
+    """The sketch layers' top-K rows since the cache's reset: how many searched the whole row, of all selected
+    (the rest chose among the tokens their carry listed: ops/topk_carry.py); None without carries."""
+    carries = [c for layer in cache.layers if (c := getattr(getattr(layer, "sketch", None), "carry", None))]
+    if not carries:
+        return None
+    whole, total = (sum(v) for v in zip(*(c.searches.tolist() for c in carries)))
+    return {"searched_whole": whole, "selected": total}
 
 
 def prefill_flops(cfg, n: int, batch: int = 1) -> dict:

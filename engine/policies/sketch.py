@@ -21,11 +21,16 @@ from tailorkv.ops.host_gather import gather_rows
 from tailorkv.ops.attention import softmax_scale
 from tailorkv.ops.quant import codes_per_word, quantize_sketch
 from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
+from tailorkv.ops.topk_carry import TopKCarry
 
 
 class KeySketch:
-    def __init__(self, spec, bits: int, group: int, capacity: int):
+    CARRY = True  # on the GPU, each step's top-K leaves a threshold for the next (ops/topk_carry.py)
+
+    def __init__(self, spec, bits: int, group: int, capacity: int, topk: int = 0):
         self.bits, self.group = bits, group
+        use = self.CARRY and topk > 0 and spec.device.type == "cuda"
+        self.carry = TopKCarry(spec.batch * spec.n_kv_heads, topk, spec.device) if use else None
         n, codes, scales = self.shapes(spec.batch, spec.n_kv_heads, spec.head_dim, capacity, bits, group)
         self.codes = torch.zeros(codes, dtype=torch.int32, device=spec.device)
         self.scale = torch.zeros(scales, dtype=torch.float16, device=spec.device)
@@ -48,6 +53,8 @@ class KeySketch:
 
     def reset(self) -> None:
         self.n, self.pending = 0, None
+        if self.carry is not None:
+            self.carry.reset()
 
     def append(self, k: torch.Tensor) -> None:
         """k [B, H, m, D] on the device: the next m middle tokens. A partial last group is quantized over its
@@ -76,10 +83,11 @@ class KeySketch:
         padded data), the group's heads combined by `rule`; position i of the sketch is absolute offset + i."""
         g = self.group
         return sketch_scores(q, self.codes[:, :, :n], self.scale[:, :, :n // g], self.min[:, :, :n // g],
-                             self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]))
+                             self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]), carry=self.carry)
 
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
+        carry = self.carry.device_bytes() if self.carry is not None else 0
+        return carry + sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
 
 
 class SketchSelector(TokenSelector):
@@ -144,4 +152,4 @@ class SketchSelector(TokenSelector):
         """Absolute positions [B, Hkv, K] of the top-K middle tokens by q's scores over the sketch (into out)."""
         lo, n = layer.sink, layer.middle_bucket
         scores = layer.sketch.scores(q, n, layer.tail_start_dev, lo, self.rule)
-        return topk_tokens(scores, layer.topk, lo, out)
+        return topk_tokens(scores, layer.topk, lo, out, carry=layer.sketch.carry)

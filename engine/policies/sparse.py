@@ -63,7 +63,7 @@ class SparseOffloadCache(LayerCache):
         self.select_rule, self.channel_rule = settings.select_rule, settings.channel_rule  # what selector applies
         self.sketch = None
         if settings.sketched:
-            self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink)
+            self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink, self.topk)
             self.selector = SketchSelector(settings.combine_rule, ahead=settings.select == "sketch-ahead")
         else:
             self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
