@@ -16,9 +16,9 @@ CAP_PER_K = 4   # tokens listed per K at most: the margin aims for 1.25 K to 3 K
 
 
 class TopKCarry:
-    def __init__(self, rows: int, k: int, device: torch.device):
+    def __init__(self, rows: int, k: int, device: torch.device, cap_per_k: int = CAP_PER_K):
         self.rows, self.k = rows, k
-        self.cap = -(-CAP_PER_K * k // 32) * 32
+        self.cap = -(-cap_per_k * k // 32) * 32
         self.threshold = torch.empty(rows, dtype=torch.float32, device=device)
         self.margin = torch.empty(rows, dtype=torch.float32, device=device)
         self.count = torch.empty(rows, dtype=torch.int32, device=device)
