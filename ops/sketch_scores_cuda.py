@@ -63,16 +63,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
         float* __restrict__ out, const int Hkv, const int N, const int ngroups, const int groups_per_block,
         const float sm_scale, const long long* __restrict__ end, const long long offset,
         int* __restrict__ c_count, int* __restrict__ c_index, float* __restrict__ c_score,
-        const float* __restrict__ c_threshold, const int cap) {{
+        const float* __restrict__ c_threshold, float* __restrict__ c_qnorm, const int cap) {{
     __shared__ __align__(16) unsigned stage[WARPS][STAGES][STAGE_WORDS];
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long endv = *end;
-    const float thr = c_count ? c_threshold[bh] : 0.f;
 
     // B operand of head g (zero past G): channels 16 kt + 2c, +1 (k = 2c, 2c+1) and 16 kt + 2c + 8, +9
     float qv[KT][4];
-    float amax = 0.f;
+    float amax = 0.f, qsq = 0.f;
     #pragma unroll
     for (int kt = 0; kt < KT; ++kt)
     #pragma unroll
@@ -80,9 +79,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
         const int ch = 16 * kt + 2 * c + (j & 1) + 8 * (j >> 1);
         qv[kt][j] = g < G ? to_float(q[b * qsb + (long long)(kvh * G + g) * qsh + ch]) : 0.f;
         amax = fmaxf(amax, fabsf(qv[kt][j]));
+        qsq += qv[kt][j] * qv[kt][j];
     }}
     #pragma unroll
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int o = 16; o; o >>= 1) {{
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        qsq += __shfl_xor_sync(0xffffffffu, qsq, o);
+    }}
+    // a carry's thresholds are in units of the group's query norm (the rank-K score scales with it)
+    const float qnorm = fmaxf(sqrtf(qsq), 1e-30f);
+    const float thr = c_count ? c_threshold[bh] * qnorm : 0.f;
+    if (c_count && blockIdx.x == 0 && threadIdx.x == 0) c_qnorm[bh] = qnorm;
     int e = 0;  // q * 2^e has its largest |value| in [2^14, 2^15): exact in fp16 for a bf16/fp16 q
     if (amax > 0.f) e = 14 - ilogbf(amax);
     __half2 qh[KT][2];
@@ -282,8 +289,8 @@ def load(reference):
         if key not in kernels:
             kernels[key] = compile_module(source(*key)).get_function("sketch_scores_kernel")
         c = carry if carry is not None and carry.fits(B * Hkv, q.device) else None
-        listing = ((ptr(c.count), ptr(c.index), ptr(c.score), ptr(c.threshold), np.int32(c.cap)) if c is not None
-                   else (np.uint64(0),) * 4 + (np.int32(0),))
+        listing = ((ptr(c.count), ptr(c.index), ptr(c.score), ptr(c.threshold), ptr(c.qnorm), np.int32(c.cap))
+                   if c is not None else (np.uint64(0),) * 5 + (np.int32(0),))
         ngroups = -(-N // GROUP)
         gpb = units_per_block(ngroups * B * Hkv, WARPS, q.device)
         launch(kernels[key], (-(-ngroups // gpb), B * Hkv), (WARPS * 32,),

@@ -124,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         long long* __restrict__ out, unsigned* __restrict__ out_keys, unsigned* __restrict__ out_floor,
         const long long out_stride, const long long add,
         int* __restrict__ c_count, const int* __restrict__ c_index, const float* __restrict__ c_score,
-        float* __restrict__ c_threshold, float* __restrict__ c_margin, const int cap,
+        float* __restrict__ c_threshold, float* __restrict__ c_margin, const float* __restrict__ c_qnorm, const int cap,
         unsigned long long* __restrict__ c_searches, const int last, const int row_n) {
     // block (row, s) of S per row takes elements [s * stretch, min(N, (s + 1) * stretch)) of its row: the keys
     // of scores x[i] (cand null), or over the row's N candidates their indices cand and keys cand_keys (index -1:
@@ -233,14 +233,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
     }
     if (!c_count || !last) return;
     __syncthreads();  // every thread has read the count
-    if (t == 0) {  // the row's next threshold: a margin below its K-th largest score
-        const float top = float_of(T);
+    if (t == 0) {  // the row's next threshold: a margin below its K-th largest score, in units of the query norm
+        const float top = float_of(T) / c_qnorm[row];
         float m = c_margin[row];
         if (!(m > 0.f)) {  // the row's first selection: a quarter of the way down to its lowest stretch's floor
             unsigned low = 0xffffffffu;
             for (int s = 0; s < n_floors && !fast; ++s)
                 if (floors[row * n_floors + s]) low = min(low, floors[row * n_floors + s]);
-            m = low != 0xffffffffu ? 0.25f * (top - float_of(low)) : 0.05f * fabsf(top);
+            m = low != 0xffffffffu ? 0.25f * (top - float_of(low) / c_qnorm[row]) : 0.05f * fabsf(top);
         } else if (listed < K) {
             m *= 2.f;
         } else if (listed > cap) {
@@ -250,7 +250,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         } else if (listed > 3 * K) {
             m *= 0.75f;
         }
-        m = isfinite(m) && m > 0.f ? fmaxf(m, 1e-6f * fabsf(top)) : 1.f;
+        if (!(isfinite(m) && m > 0.f)) m = isfinite(top) && top != 0.f ? 0.05f * fabsf(top) : 1.f;
+        m = fmaxf(m, 1e-6f * fabsf(top));
         c_margin[row] = m;
         c_threshold[row] = top - m;
         c_count[row] = 0;
@@ -292,8 +293,9 @@ def load(reference):
         if carry is not None and not (carry.fits(rows, scores.device) and carry.k == k and N <= CARRY_MAX_N):
             carry = None
         c = carry
-        carry_args = ((ptr(c.count), ptr(c.index), ptr(c.score), ptr(c.threshold), ptr(c.margin), np.int32(c.cap),
-                       ptr(c.searches)) if c is not None else (np.uint64(0),) * 5 + (np.int32(0), np.uint64(0)))
+        carry_args = ((ptr(c.count), ptr(c.index), ptr(c.score), ptr(c.threshold), ptr(c.margin), ptr(c.qnorm),
+                       np.int32(c.cap), ptr(c.searches)) if c is not None
+                      else (np.uint64(0),) * 6 + (np.int32(0), np.uint64(0)))
 
         def select(n, cand, stretch, segs, dst, keys_out=None, floor_out=None, add=0, last=True):
             """each of rows x segs blocks: the k best of its stretch into dst (cand: (indices, keys, floors))"""

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from helpers import rel_err
 from tailorkv.ops import dispatch
 from tailorkv.ops.topk_carry import TopKCarry
 
@@ -67,8 +68,8 @@ def test_topk_with_a_carry_equals_the_full_search_step_after_step(B, H, N, k, ki
     assert total == steps * B * H
     if N > carry.cap:
         assert B * H <= whole, "the first step lists every token: too many, so it searches whole"
-    if kind == "distinct" and N > 4 * k:
-        assert whole <= total // 2, f"the carry selected among the listed tokens on too few steps: {whole}/{total}"
+    if kind == "distinct" and N > 4 * k:   # the scale drifts 10% and jumps twice: the carry must still serve
+        assert whole <= 3 * total // 4, f"the carry selected among the listed tokens on too few steps: {whole}/{total}"
 
 
 @pytest.mark.cuda
@@ -84,12 +85,14 @@ def test_sketch_kernel_lists_the_tokens_at_or_above_the_threshold(bits, B, hq, h
     args = (q, kc, ks, km, bits, 64, end, offset, "lse", 1 / math.sqrt(D))
     plain = kernel(*args).reshape(B * hkv, T)
     carry = TopKCarry(B * hkv, 64, torch.device("cuda"))
-    carry.threshold.copy_(torch.quantile(plain[:, :T - 50], 1 - share, dim=-1))
+    qnorm = q.float().reshape(B * hkv, -1).norm(dim=-1)   # the group's heads, all channels
+    carry.threshold.copy_(torch.quantile(plain[:, :T - 50], 1 - share, dim=-1) / qnorm)
     carry.index.fill_(-1)
     got = kernel(*args, carry=carry).reshape(B * hkv, T)
     assert torch.equal(got, plain), "listing does not change the scores"
+    assert rel_err(carry.qnorm, qnorm) < 1e-5, "the kernel scales the threshold by the group's query norm"
     for r in range(B * hkv):
-        want = torch.nonzero(got[r] >= carry.threshold[r]).flatten()
+        want = torch.nonzero(got[r] >= carry.threshold[r] * carry.qnorm[r]).flatten()
         n = int(carry.count[r])
         assert n == want.numel()
         listed = carry.index[r, :min(n, carry.cap)].long()
@@ -137,4 +140,4 @@ def test_the_references_ignore_a_carry():
     carry = TopKCarry(6, 10, torch.device("cpu"))
     assert torch.equal(topk_tokens.reference(scores, 10, 4, carry=carry), topk_tokens.reference(scores, 10, 4))
     assert carry.cap >= 4 * 10 and carry.cap % 32 == 0 and not carry.count.any()
-    assert carry.device_bytes() == 6 * (4 + 4 + 4 + carry.cap * 8) + 16
+    assert carry.device_bytes() == 6 * (4 * 4 + carry.cap * 8) + 16
