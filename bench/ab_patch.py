@@ -1,0 +1,35 @@
+"""Run `tailorkv bench` with one engine knob patched, for A/B runs in one process per variant:
+    PYTHONPATH=src python3 bench/ab_patch.py VARIANT bench ARGS...
+Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row whole); no-sketch (the sketch
+scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless); no-gather
+(the selected rows are not gathered: timing only)."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def patch(variant: str) -> None:
+    from tailorkv.engine.policies import sketch
+    if variant == "carry-off":
+        sketch.KeySketch.CARRY = False
+    elif variant == "no-sketch":
+        held = {}
+
+        def fixed(self, q, n, end, offset, rule):
+            if n not in held:
+                held[n] = torch.randn(q.shape[0], self.codes.shape[1], n, device=q.device)
+            return held[n]
+        sketch.KeySketch.scores = fixed
+    elif variant == "no-gather":
+        sketch.SketchSelector._gather = lambda self, layer, pos: None
+    elif variant != "none":
+        raise SystemExit(f"unknown variant {variant!r}")
+
+
+if __name__ == "__main__":
+    patch(sys.argv[1])
+    sys.argv = ["tailorkv"] + sys.argv[2:]
+    from tailorkv.cli import main
+    main()
