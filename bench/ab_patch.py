@@ -2,7 +2,7 @@
     PYTHONPATH=src python3 bench/ab_patch.py VARIANT bench ARGS...
 Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row whole); no-sketch (the sketch
 scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless); no-gather
-(the selected rows are not gathered: timing only)."""
+(the selected rows are not gathered: timing only); gather-blocks-N (the short-row gather on N blocks)."""
 from __future__ import annotations
 
 import sys
@@ -24,6 +24,9 @@ def patch(variant: str) -> None:
         sketch.KeySketch.scores = fixed
     elif variant == "no-gather":
         sketch.SketchSelector._gather = lambda self, layer, pos: None
+    elif variant.startswith("gather-blocks-"):
+        from tailorkv.ops import host_gather_cuda
+        host_gather_cuda.MAX_BLOCKS = int(variant.rsplit("-", 1)[1])
     elif variant != "none":
         raise SystemExit(f"unknown variant {variant!r}")
 
