@@ -13,10 +13,10 @@ import torch
 
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 
-# 16 blocks: at 128k, sketch-ahead on the H200, the gather beside the step's GEMVs takes 4.18 ms/token with 16
-# blocks and 4.11 with 32, and the GEMVs 5.46 against 6.42 ms (32 blocks' PCIe reads in flight slow them down):
-# 8.37 ms/token against 8.83 (8 blocks: 9.45, 12: 8.48, 20: 8.48, 24: 8.56; bench/results/2026-12-01-h200-tenth-session)
-MAX_BLOCKS, THREADS, UNROLL = 16, 256, 4
+# 12 blocks: at 128k, sketch-ahead on the H200 with the top-K carry, 6.49-6.50 ms/token against 6.86-6.89 with 16
+# (10: 6.50, 14: 6.61, 8: 6.77; 32k and 8k unchanged: bench/results/2026-12-01-h200-twelfth-session). Before the
+# select stream and the carry, 16 had measured best (8.37 ms/token; 12: 8.48, 8: 9.45, 32: 8.83; tenth session).
+MAX_BLOCKS, THREADS, UNROLL = 12, 256, 4
 
 _SOURCE = r"""
 extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, const unsigned long long idx_addr,
