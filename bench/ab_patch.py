@@ -2,7 +2,8 @@
     PYTHONPATH=src python3 bench/ab_patch.py VARIANT bench ARGS...
 Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row whole); no-sketch (the sketch
 scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless); no-gather
-(the selected rows are not gathered: timing only); gather-blocks-N (the short-row gather on N blocks)."""
+(the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N (the short-row gather's
+blocks, threads per block, reads in flight per thread); several joined by "+"."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +11,12 @@ import sys
 import torch
 
 
-def patch(variant: str) -> None:
+def patch(variants: str) -> None:
+    for variant in variants.split("+"):
+        patch_one(variant)
+
+
+def patch_one(variant: str) -> None:
     from tailorkv.engine.policies import sketch
     if variant == "carry-off":
         sketch.KeySketch.CARRY = False
@@ -24,9 +30,10 @@ def patch(variant: str) -> None:
         sketch.KeySketch.scores = fixed
     elif variant == "no-gather":
         sketch.SketchSelector._gather = lambda self, layer, pos: None
-    elif variant.startswith("gather-blocks-"):
+    elif variant.startswith("gather-"):
         from tailorkv.ops import host_gather_cuda
-        host_gather_cuda.MAX_BLOCKS = int(variant.rsplit("-", 1)[1])
+        knob = {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL"}[variant.split("-")[1]]
+        setattr(host_gather_cuda, knob, int(variant.rsplit("-", 1)[1]))
     elif variant != "none":
         raise SystemExit(f"unknown variant {variant!r}")
 
