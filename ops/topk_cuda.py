@@ -2,8 +2,8 @@
 
 A block of 1024 threads selects within a stretch of a row using nothing outside shared memory but its input and
 output (no workspace to clear, no memsets: in a CUDA graph torch.topk's memset nodes stalled behind the copy
-stream's PCIe reads). Radix select on the order-preserving 32-bit key of each float, in three histogram passes
-(bits 31-21, 20-10, 9-0, each counting only the keys that match the bits fixed so far), gives the k-th largest
+stream's PCIe reads). Radix select on the order-preserving 32-bit key of each float (ops/radix_select_cuda.py)
+in three histogram passes (bits 31-21, 20-10, 9-0, each counting only the keys that match the bits fixed so far), gives the k-th largest
 key T and how many keys equal to T are needed; a last pass writes the keys > T and the first needed keys == T in
 index order (so the set is the one torch.topk returns when it breaks ties by the lowest index), from block-wide
 prefix sums over tiles of 8 consecutive keys per thread. NaN sorts above +inf (as in torch.topk).
@@ -14,6 +14,12 @@ their keys and the stretch's k-th largest key (its floor), stage 2 the k best of
 their keys as stage 1 wrote them; the row's k-th largest is at least the largest floor, so stage 2 counts only
 the candidates at or above it. The candidates come in index order, so ties still go to the lowest index.
 (Adding a warp's lanes that count the same bin once, with __match_any_sync, made stage 1 slower: 15.1 -> 18.9 us.)
+
+With a carry (ops/topk_carry.py) that lists K .. cap tokens of a row, stage 1's blocks for that row return at
+once and stage 2 selects among the listed ones (unordered: ties at T go to the lowest indices by a second radix
+select over their inverted indices), marks the chosen tokens in a bitmap of the row in shared memory and writes
+them in index order by a prefix sum over its words. Alone at 128k (8 rows, K 1024, bench/topk_carry_probe.py):
+the sketch scores and this top-K 52 us against 69 us with the whole search.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr, ptr_or_null
+from tailorkv.ops.radix_select_cuda import RADIX_SELECT
 from tailorkv.ops.topk_carry import TopKCarry
 
 THREADS = 1024
@@ -31,91 +38,7 @@ CARRY_MAX_N = 8 * 36 * 1024   # one bit per token in the dynamic shared memory b
 _SOURCE = r"""
 #define THREADS 1024
 #define PER 8
-
-__device__ __forceinline__ unsigned key_of(float f) {
-    const unsigned u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// block-wide exclusive prefix sum of v; *total gets the sum over the block. Uses warp_sums[32].
-__device__ __forceinline__ unsigned block_exclusive_scan(unsigned v, unsigned* warp_sums, unsigned* total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned x = v;
-    #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        unsigned w = warp_sums[lane];
-        #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const unsigned y = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += y;
-        }
-        warp_sums[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
-    const unsigned before = (warp > 0 ? warp_sums[warp - 1] : 0u) + x - v;
-    *total = warp_sums[31];
-    __syncthreads();  // warp_sums is reused by the next call
-    return before;
-}
-
-__device__ __forceinline__ float float_of(unsigned k) {  // the inverse of key_of
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// The k-th largest (1 <= k) of the keys key_at(i), i < n, that are >= floor_key (at least k of them), by radix
-// select in three histogram passes; *need_out gets how many keys equal to it are among the k largest.
-template <class KeyAt>
-__device__ unsigned radix_kth(const int n, const int k, const unsigned floor_key, KeyAt key_at, unsigned* hist,
-                              unsigned* warp_sums, unsigned* s_pick, unsigned* need_out) {
-    const int t = threadIdx.x;
-    unsigned prefix = 0u, mask = 0u;
-    unsigned need = (unsigned)k;  // keys still to take among those matching prefix/mask
-    const int shifts[3] = {21, 10, 0};
-    const int widths[3] = {11, 11, 10};
-    for (int pass = 0; pass < 3; ++pass) {
-        const int shift = shifts[pass], nbins = 1 << widths[pass];
-        for (int i = t; i < 2048; i += THREADS) hist[i] = 0u;
-        __syncthreads();
-        for (int base = t; base < n; base += THREADS * PER) {  // PER loads in flight before the atomics
-            unsigned ks[PER];
-            #pragma unroll
-            for (int v = 0; v < PER; ++v) {
-                const int i = base + v * THREADS;
-                ks[v] = i < n ? key_at(i) : 0u;
-            }
-            #pragma unroll
-            for (int v = 0; v < PER; ++v)
-                if (base + v * THREADS < n && (ks[v] & mask) == prefix && ks[v] >= floor_key)
-                    atomicAdd(&hist[(ks[v] >> shift) & (nbins - 1)], 1u);
-        }
-        __syncthreads();
-        // thread t owns bins in descending order: top = nbins - 1 - t * per ... - (per - 1)
-        const int per = nbins / THREADS;  // 2 or 1
-        const int top = nbins - 1 - t * per;
-        unsigned mine = 0u;
-        for (int j = 0; j < per; ++j) mine += hist[top - j];
-        unsigned total;
-        unsigned run = block_exclusive_scan(mine, warp_sums, &total);  // keys in bins above this thread's
-        for (int j = 0; j < per; ++j) {
-            const unsigned cnt = hist[top - j];
-            if (run < need && run + cnt >= need) { s_pick[0] = (unsigned)(top - j); s_pick[1] = run; }
-            run += cnt;
-        }
-        __syncthreads();
-        prefix |= s_pick[0] << shift;
-        mask |= (unsigned)(nbins - 1) << shift;
-        need -= s_pick[1];
-        __syncthreads();
-    }
-    *need_out = need;
-    return prefix;
-}
+""" + RADIX_SELECT + r"""
 
 extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         const float* __restrict__ scores, const long long row_stride, const int N, const int K,
