@@ -46,8 +46,3 @@ class TopKCarry:
 
     def fits(self, rows: int, device: torch.device) -> bool:
         return rows == self.rows and self.threshold.device == device
-
-    def whole_share(self) -> float:
-        """The share of row selections so far that searched the whole row (a host sync: for reports)."""
-        whole, total = self.searches.tolist()
-        return whole / total if total else 0.0
