@@ -2,11 +2,12 @@
 
 A block of 1024 threads selects within a stretch of a row using nothing outside shared memory but its input and
 output (no workspace to clear, no memsets: in a CUDA graph torch.topk's memset nodes stalled behind the copy
-stream's PCIe reads). Radix select on the order-preserving 32-bit key of each float (ops/radix_select_cuda.py)
-in three histogram passes (bits 31-21, 20-10, 9-0, each counting only the keys that match the bits fixed so far), gives the k-th largest
-key T and how many keys equal to T are needed; a last pass writes the keys > T and the first needed keys == T in
-index order (so the set is the one torch.topk returns when it breaks ties by the lowest index), from block-wide
-prefix sums over tiles of 8 consecutive keys per thread. NaN sorts above +inf (as in torch.topk).
+stream's PCIe reads). Radix select on the order-preserving 32-bit key of each float (ops/radix_select_cuda.py:
+three histogram passes, bits 31-21, 20-10, 9-0, each counting only the keys that match the bits fixed so far)
+gives the k-th largest key T and how many keys equal to T are needed; a last pass writes the keys > T and the
+first needed keys == T in index order (so the set is the one torch.topk returns when it breaks ties by the lowest
+index), from block-wide prefix sums over tiles of 8 consecutive keys per thread. NaN sorts above +inf (as in
+torch.topk).
 
 A long row would leave most of the GPU idle with one block per row (8 rows at 128k: 8 blocks on 132 SMs), so it
 is cut into S stretches: stage 1 takes the k best of each stretch (index order, -1 where a stretch is short) with
@@ -47,14 +48,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) topk_rows(
         long long* __restrict__ out, unsigned* __restrict__ out_keys, unsigned* __restrict__ out_floor,
         const long long out_stride, const long long add,
         int* __restrict__ c_count, const int* __restrict__ c_index, const float* __restrict__ c_score,
-        float* __restrict__ c_threshold, float* __restrict__ c_margin, const float* __restrict__ c_qnorm, const int cap,
+        float* __restrict__ c_threshold, float* __restrict__ c_margin, const float* __restrict__ c_qnorm,
+        const int cap,
         unsigned long long* __restrict__ c_searches, const int last, const int row_n) {
     // block (row, s) of S per row takes elements [s * stretch, min(N, (s + 1) * stretch)) of its row: the keys
     // of scores x[i] (cand null), or over the row's N candidates their indices cand and keys cand_keys (index -1:
     // none, key 0). It writes min(K, n) indices in index order, each plus `add`, to out + block * out_stride, then
     // -1 up to K when S > 1, and (out_keys not null) their keys the same way and its k-th largest key to
-    // out_floor[block] (0 when the stretch holds fewer than K). floors (not null): n_floors floors per row (stage 1's); the K-th largest
-    // of the whole row is at least their largest, so keys below it are left out of the counting passes.
+    // out_floor[block] (0 when the stretch holds fewer than K). floors (not null): n_floors floors per row
+    // (stage 1's); the K-th largest of the whole row is at least their largest, so keys below it are left out of
+    // the counting passes.
     // c_count not null (ops/topk_carry.py; K <= the row's length row_n): where the row's listed tokens number
     // K .. cap, the first stage's blocks return at once and the last (`last`, one block per row) selects among
     // the listed ones; the last stage then sets the row's next threshold and clears its count.
