@@ -1,3 +1,6 @@
+"""The sketch kernel at 128k (8 KV heads, 2 bits, 32 query heads), launched 4 times: an input for Nsight Compute
+(bench/results/2026-12-01-h200-twelfth-session).
+    PYTHONPATH=src ncu --kernel-name sketch_scores_kernel --launch-skip 2 --launch-count 1 python3 bench/sketch_ncu_input.py"""
 import math, torch
 from tailorkv.ops.quant import quantize_sketch
 from tailorkv.ops.sparse_select import sketch_scores
