@@ -14,9 +14,9 @@ Attention-mass recall (tailorkv's sparse-offload layers only): at each decode st
 of the exact attention mass (softmax of the layer's query over every token the layer holds: sink, middle in
 host memory, tail, the new token) that falls on the tokens the layer actually attended to (sink + the selected
 top-K + tail + the new token); mean over query heads, then over layers and steps. It is observed from outside
-the policy: the layer's `attend` is wrapped on the instance and the policy module's `topk_tokens` is wrapped
-while the step runs, to see which middle tokens were picked. If the policy stops calling `topk_tokens` on a
-step where the middle exceeds top-K, recall is reported as None rather than guessed.
+the policy: each selecting layer's selector is wrapped (engine.policies.selection.ObservedSelector) to see which
+middle tokens were picked; a layer that selected nothing in a step (its middle fits the budget, so nothing was
+left out) counts 1.0; a cache with no selecting layers reports None.
 """
 from __future__ import annotations
 
