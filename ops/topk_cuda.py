@@ -218,10 +218,9 @@ def load(reference):
         rows, row_stride = B * H, np.int64(scores.stride(1) if H > 1 else scores.stride(0))
         if carry is not None and not (carry.fits(rows, scores.device) and carry.k == k and N <= CARRY_MAX_N):
             carry = None
-        c = carry
-        carry_args = ((ptr(c.count), ptr(c.index), ptr(c.score), ptr(c.threshold), ptr(c.margin), ptr(c.qnorm),
-                       np.int32(c.cap), ptr(c.searches)) if c is not None
-                      else (np.uint64(0),) * 6 + (np.int32(0), np.uint64(0)))
+        carry_args = ((ptr(carry.count), ptr(carry.index), ptr(carry.score), ptr(carry.threshold),
+                       ptr(carry.margin), ptr(carry.qnorm), np.int32(carry.cap), ptr(carry.searches))
+                      if carry is not None else (np.uint64(0),) * 6 + (np.int32(0), np.uint64(0)))
 
         def select(n, cand, stretch, segs, dst, keys_out=None, floor_out=None, add=0, last=True):
             """each of rows x segs blocks: the k best of its stretch into dst (cand: (indices, keys, floors))"""
