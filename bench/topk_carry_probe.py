@@ -6,40 +6,30 @@ the rank-K score moves from step to step in a real decode (recorded per layer, r
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from kernels import gpu_time  # noqa: E402
+
+from tailorkv.engine.results import environment, write_json  # noqa: E402
 from tailorkv.ops.quant import quantize_sketch
-from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
-from tailorkv.ops.topk_carry import TopKCarry
+from tailorkv.ops.sparse_select import sketch_scores, topk_tokens  # noqa: E402
+from tailorkv.ops.topk_carry import TopKCarry  # noqa: E402
 
 RANKS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16)
 
 
-def timed(fn, reps=20):
-    """us per call of fn, replayed from a CUDA graph of reps calls (launch costs out of the figure)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (5 * reps)
+def timed(fn) -> float:
+    """us per call of fn, replayed from a CUDA graph (bench/kernels.py's gpu_time: launch costs out of it)."""
+    return gpu_time([fn])[0] * 1e3
 
 
-def kernels_alone(n=131072, k=1024):
+def kernels_alone(n=131072, k=1024) -> tuple[dict, dict]:
+    """(us per call of each kernel or pair, {listed: [rows searched whole, rows selected]} of the pairs)"""
     g = torch.Generator(device="cuda").manual_seed(0)
     keys = torch.randn(1, 8, n, 128, device="cuda", generator=g) * torch.exp(torch.randn(128, device="cuda", generator=g))
     kc, ks, km = quantize_sketch(keys, 2, 64)
@@ -48,6 +38,7 @@ def kernels_alone(n=131072, k=1024):
     args = (q, kc, ks, km, 2, 64, end, 0, "lse", 1 / math.sqrt(128))
     scores = sketch_scores(*args)
     out = torch.empty(1, 8, k, dtype=torch.long, device="cuda")
+    searches = {}
     rows = {"sketch scores": timed(lambda: sketch_scores(*args)),
             "top-K whole": timed(lambda: topk_tokens(scores, k, 0, out))}
     for mult in (2, 4, 8, 16):
@@ -60,11 +51,10 @@ def kernels_alone(n=131072, k=1024):
             carry.margin.fill_(1.0)
             topk_tokens(sketch_scores(*args, carry=carry), k, 0, out, carry=carry)
         rows[f"sketch scores listing + top-K among {mult}K"] = timed(pair)
-        whole, total = carry.searches.tolist()
-        rows[f"  (searched whole {whole} of {total})"] = 0.0
+        searches[f"{mult}K"] = carry.searches.tolist()
     rows["sketch scores + top-K whole"] = timed(lambda: topk_tokens(sketch_scores(*args), k, 0, out))
     rows["(copy + fill, as in the listing pairs)"] = timed(lambda: (carry.threshold.copy_(kth), carry.margin.fill_(1.0)))
-    return rows
+    return rows, searches
 
 
 def decode_ranks(a):
@@ -109,12 +99,14 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    alone = kernels_alone()
+    alone, searches = kernels_alone()
     for name, us in alone.items():
         print(f"{name:45s} {us:8.1f} us")
+    print("rows searched whole, of those selected, per listed size:", searches)
     steps = decode_ranks(a) if a.steps else []
-    with open(os.path.join(a.out, "topk_carry_probe.json"), "w") as f:
-        json.dump({"alone_us": alone, "rank_multiples": RANKS, "steps": steps}, f)
+    write_json(os.path.join(a.out, "topk_carry_probe.json"),
+               {"environment": environment(torch.device("cuda")), "alone_us": alone, "searches": searches,
+                "rank_multiples": RANKS, "steps": steps})
     print(f"{len(steps)} selections recorded")
 
 
