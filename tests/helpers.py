@@ -176,3 +176,9 @@ def random_keys(g, B, H, T, D, bits, device, sketch=False):
         ks = torch.cat([ks, torch.rand(B, H, 1, D, generator=g).half()], 2)
         km = torch.cat([km, -torch.rand(B, H, 1, D, generator=g).half()], 2)
     return kc.to(device), ks.to(device), km.to(device)
+
+
+def lowest_ties_topk(scores, k):
+    """The SET of the k largest, ties at the k-th value broken by the lowest index, ascending (on the CPU)."""
+    _, perm = torch.sort(-scores.double().cpu(), dim=-1, stable=True)
+    return perm[..., :k].sort(-1).values

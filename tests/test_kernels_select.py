@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from helpers import lowest_ties_topk
 from tailorkv.ops import dispatch
 from tailorkv.ops.sparse_select import approx_scores
 
@@ -94,12 +95,6 @@ TOPK_CASES = [(1, 8, 131072, 896), (2, 8, 8191, 1024), (1, 3, 5000, 31), (2, 2, 
               (1, 4, 300, 300), (1, 4, 300, 500), (3, 2, 65537, 1), (1, 8, 8192, 896), (1, 8, 32768, 896),
               (1, 8, 131072, 8192), (1, 2, 1 << 20, 896), (1, 1, 10000, 9999), (64, 8, 4096, 128),
               (1, 8, 100003, 900), (1, 3, 20000, 4999), (2, 1, 65536, 2)]  # two stages, short last stretches
-
-
-def lowest_ties_topk(scores, k):
-    """The SET of the k largest, ties at the k-th value broken by the lowest index, ascending (on the CPU)."""
-    _, perm = torch.sort(-scores.double().cpu(), dim=-1, stable=True)
-    return perm[..., :k].sort(-1).values
 
 
 @pytest.mark.cuda

@@ -12,18 +12,12 @@ import random
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import lowest_ties_topk, rel_err
 from tailorkv.ops import dispatch
 from tailorkv.ops.topk_carry import TopKCarry
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_kernels_topk_carry seed: TAILORKV_SEED={SEED}")
-
-
-def lowest_ties_topk(scores, k):
-    """The SET of the k largest, ties at the k-th value broken by the lowest index, ascending (on the CPU)."""
-    _, perm = torch.sort(-scores.double().cpu(), dim=-1, stable=True)
-    return perm[..., :k].sort(-1).values
 
 
 def list_like_the_sketch_kernel(carry: TopKCarry, scores: torch.Tensor, g: torch.Generator) -> None:
