@@ -7,8 +7,8 @@ share, K and V, one chunk's temporaries), and what the caches keep on the device
 sparse layers' sink and tail slots, the scheduler's buffers (the selection's) and, with `--select sketch` or
 `sketch-ahead`, the sketch.
 
-The top-K budget costs next to no device memory (the chosen rows are read from pinned host memory in place, or, with
-sketch-ahead, gathered into two buffers of top-K rows), so the
+The top-K budget costs little device memory (the chosen rows are read from pinned host memory in place, or, with
+sketch-ahead, kept per layer in a row cache of top-K rows: 4 MiB a layer for Llama-3.1-8B at K 1024), so the
 planner chooses only the sketch's bits: the most of 2 and 1 that fit (4 when asked for).
 """
 from __future__ import annotations
@@ -68,18 +68,21 @@ def quant_layer_bytes(cfg, ctx: int, bits: int, group: int, batch: int, dtype_by
 def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtype_bytes: int) -> int:
     """A sparse layer's sink and tail slots and max|K|, and its share of the scheduler's buffers (two sets
     alternating by layer, each for the largest step: the paper's K^T rows of r channels and fp32 scores over the
-    middle; sketch-ahead's top-K positions and gathered K/V rows; the synchronous sketch has none)."""
+    middle; sketch-ahead's top-K positions; the synchronous sketch has none) and sketch-ahead's row cache."""
+    from tailorkv.engine.policies.row_cache import RowCache
     from tailorkv.engine.policies.sparse import FLUSH
     hd, kv = cfg.head_dim, cfg.n_kv_heads
     slots = 2 * (settings.sink + settings.recent + FLUSH) * hd * dtype_bytes + 8 * hd
+    rows = 0
     if settings.select == "sketch-ahead":
-        buffers = settings.topk * (8 + 2 * hd * dtype_bytes)
+        buffers = settings.topk * 8
+        rows = RowCache.bytes_for(batch, kv, hd, settings.topk, dtype_bytes)  # each layer's own
     elif settings.sketched:
         buffers = 0
     else:
         r = min(settings.channels, hd)
         buffers = max(0, ctx - settings.sink) * (r * dtype_bytes + 4) + 8 * r  # + the r channel indices
-    return batch * kv * slots + 2 * batch * kv * buffers // max(1, cfg.n_layers)
+    return batch * kv * slots + rows + 2 * batch * kv * buffers // max(1, cfg.n_layers)
 
 
 @dataclass

@@ -56,7 +56,7 @@ def test_only_tailorkv_with_a_sketch_and_a_limit_is_planned():
 def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for():
     """The sparse layers' scheduler buffers in the estimate are those each selector asks the scheduler for at the
     largest step (two sets shared by all layers): the paper's K^T rows and scores over the middle, none for the
-    synchronous sketch, top-K positions and gathered K/V rows for sketch-ahead."""
+    synchronous sketch, top-K positions for sketch-ahead), and sketch-ahead's row cache (each layer's own)."""
     import math
     import torch
     from tailorkv.engine.cache import LayerSpec
@@ -72,4 +72,6 @@ def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for():
         layer = SparseOffloadCache(spec, s)
         asked = sum(math.prod(most) * torch.empty(0, dtype=dt).element_size()
                     for _, most, dt in layer.selector.buffers(layer).values())
-        assert sparse_layer_bytes(cfg, s, ctx, 1, 2) - none == 2 * asked // cfg.n_layers, select
+        own = layer.selector.device_bytes()
+        assert (select == "sketch-ahead") == (own > 0)
+        assert sparse_layer_bytes(cfg, s, ctx, 1, 2) - none == 2 * asked // cfg.n_layers + own, select

@@ -3,7 +3,7 @@ from tailorkv.engine.bench.stages import stage_of, summarize
 
 
 def test_stage_names():
-    assert stage_of("gather_rows_w16") == stage_of("gather_long_rows_w16") == "pcie gather"
+    assert stage_of("gather_rows_w16") == stage_of("gather_long_rows_w16") == stage_of("refresh_rows_kernel") == "pcie gather"
     assert stage_of("qk_quant_b1_d128") == "1/2-bit attention"
     assert stage_of("sketch_scores_kernel") == "sketch scores"
     assert stage_of("sm90_xmma_gemm_bf16bf16") == "dense (gemm/gemv)"

@@ -15,7 +15,7 @@ import re
 
 # first match wins; patterns are matched against lower-cased kernel names
 STAGES = (
-    ("pcie gather", r"gather_rows|gather_long_rows"),
+    ("pcie gather", r"gather_rows|gather_long_rows|refresh_rows"),
     ("sketch scores", r"sketch_scores"),
     ("1/2-bit attention", r"qk_quant|av_quant|quant_attn"),
     ("selection", r"approx_scores|topk|radix|sort|bitonic|channel"),

@@ -23,6 +23,13 @@ class TokenSelector:
         the largest shape it will ever need, dtype) (SparseOffloadCache._plan_buffers)."""
         return {}
 
+    def reset(self) -> None:
+        """Forget what earlier steps left (the layer's cache was reset)."""
+
+    def device_bytes(self) -> int:
+        """Device memory the selector keeps for its layer (not the scheduler's shared buffers)."""
+        return 0
+
     def rows(self, layer):
         """(K rows, V rows) [B, Hkv, K, D] of the selected positions when the selector gathered them into device
         buffers; None: the attention reads them from the host store in place."""
@@ -106,6 +113,12 @@ class ObservedSelector(TokenSelector):
 
     def buffers(self, layer):
         return self.inner.buffers(layer)
+
+    def reset(self):
+        self.inner.reset()
+
+    def device_bytes(self):
+        return self.inner.device_bytes()
 
     def rows(self, layer):
         return self.inner.rows(layer)

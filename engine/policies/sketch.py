@@ -17,7 +17,9 @@ import math
 import torch
 
 from tailorkv.engine.policies.selection import TokenSelector
+from tailorkv.engine.policies.row_cache import RowCache
 from tailorkv.ops.host_gather import gather_rows
+from tailorkv.ops.row_cache import refresh_rows
 from tailorkv.ops.attention import softmax_scale
 from tailorkv.ops.quant import codes_per_word, quantize_sketch
 from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
@@ -96,13 +98,25 @@ class SketchSelector(TokenSelector):
     (`--select sketch-ahead`): from the query predicted one layer early, on the copy stream while the layer
     before computes, which also gathers the chosen rows into device buffers there (what that costs in recall:
     eval/results/2026-11-30-cpu-prediction-variants). A layer that gets no prediction does the same from its
-    own query, inside the step."""
+    own query, inside the step. With a row cache (engine/policies/row_cache.py, the default for sketch-ahead) the
+    gather reads only the chosen rows the layer's cache does not hold from the last step, and the attention reads
+    the rows in the cache's slot order."""
 
     # the scores and top-K of sketch-ahead on their own stream (False: on the copy stream, before the gather)
     SELECT_STREAM = True
+    REUSE_ROWS = True  # sketch-ahead keeps the last step's rows per layer on the device (False: gathers all K)
 
-    def __init__(self, rule: str = "lse", ahead: bool = False):
+    def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0):
         self.rule, self.ahead = rule, ahead
+        use = ahead and self.REUSE_ROWS and spec is not None and topk > 0
+        self.row_cache = RowCache(spec, topk) if use else None
+
+    def reset(self) -> None:
+        if self.row_cache is not None:
+            self.row_cache.reset()
+
+    def device_bytes(self) -> int:
+        return self.row_cache.device_bytes() if self.row_cache is not None else 0
 
     @property
     def fetches_ahead(self) -> bool:
@@ -113,8 +127,10 @@ class SketchSelector(TokenSelector):
             return {}
         s, k = layer.spec, layer.topk
         B, H, D = s.batch, s.n_kv_heads, s.head_dim
-        return {"positions": ((B, H, k), (B * H * k,), torch.long),
-                "rows": ((B, H, k, 2 * D), (B * H * k * 2 * D,), s.dtype)}
+        chosen = {"positions": ((B, H, k), (B * H * k,), torch.long)}
+        if self.row_cache is None:
+            chosen["rows"] = ((B, H, k, 2 * D), (B * H * k * 2 * D,), s.dtype)
+        return chosen
 
     def prefetch(self, layer, q_sel):
         if self.ahead:
@@ -135,17 +151,24 @@ class SketchSelector(TokenSelector):
 
     def _gather(self, layer, pos):
         B, H, N, _, D = layer.host_kv.shape
-        gather_rows(layer.host_kv.view(B, H, N, 2 * D), pos, pos.device, out=layer.buffer("rows"))
+        host, cache = layer.host_kv.view(B, H, N, 2 * D), self.row_cache
+        if cache is None:
+            gather_rows(host, pos, pos.device, out=layer.buffer("rows"))
+        else:
+            refresh_rows(host, pos, cache.slots, cache.rows, layer.sink, layer.middle_bucket, cache.counts)
 
     def select(self, layer, q):
         if layer.middle_whole:
             return layer.whole_middle(q)
-        return layer.buffer("positions") if self.ahead else self._pick(layer, q)
+        if not self.ahead:
+            return self._pick(layer, q)
+        return layer.buffer("positions") if self.row_cache is None else self.row_cache.slots
 
     def rows(self, layer):
         if not self.ahead or layer.middle_whole:
             return None
-        r, D = layer.buffer("rows"), layer.spec.head_dim
+        r = layer.buffer("rows") if self.row_cache is None else self.row_cache.rows
+        D = layer.spec.head_dim
         return r[..., :D], r[..., D:]
 
     def _pick(self, layer, q, out=None):

@@ -64,7 +64,7 @@ class SparseOffloadCache(LayerCache):
         self.sketch = None
         if settings.sketched:
             self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink, self.topk)
-            self.selector = SketchSelector(settings.combine_rule, ahead=settings.select == "sketch-ahead")
+            self.selector = SketchSelector(settings.combine_rule, settings.select == "sketch-ahead", spec, self.topk)
         else:
             self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
@@ -92,6 +92,7 @@ class SparseOffloadCache(LayerCache):
             t.zero_()
         if self.sketch is not None:
             self.sketch.reset()
+        self.selector.reset()
         self.q_hat = None
         self.middle_bucket, self.middle_whole, self.prefetched = 0, False, False
         self._fetched = f"kt_rows:{self.spec.layer_idx}"
@@ -150,7 +151,7 @@ class SparseOffloadCache(LayerCache):
     def device_bytes(self) -> int:
         sketch = self.sketch.device_bytes() if self.sketch is not None else 0
         held = (self.dev_k, self.dev_v, self.kmax, self.kmax_next)
-        return sketch + sum(t.numel() * t.element_size() for t in held)
+        return sketch + self.selector.device_bytes() + sum(t.numel() * t.element_size() for t in held)
 
     def whole_middle(self, q) -> torch.Tensor:
         """A middle of at most top-K tokens taken whole: positions sink .. sink + K - 1 (those past the

@@ -1,0 +1,125 @@
+"""refresh_rows (ops/row_cache.py): a device cache of host rows kept current for each new selection. The torch
+reference on the CPU; the CUDA kernel against it (same slots, same rows), marked cuda."""
+import zlib
+
+import pytest
+import torch
+
+from tailorkv.ops.row_cache import refresh_rows
+
+cuda = pytest.mark.cuda
+
+
+@pytest.fixture
+def gen(request):
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def selections(gen, rows, n, k, steps, keep):
+    """Random selections of k distinct positions in [0, n) per row, each keeping about `keep` of the last."""
+    cur = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(rows)])
+    out = [cur.clone()]
+    for _ in range(steps - 1):
+        nxt = []
+        for r in range(rows):
+            stay = cur[r][torch.randperm(k, generator=gen)[:int(keep * k)]]
+            pool = torch.ones(n, dtype=torch.bool)
+            pool[stay] = False
+            fresh = torch.nonzero(pool).flatten()
+            fresh = fresh[torch.randperm(len(fresh), generator=gen)[:k - len(stay)]]
+            nxt.append(torch.cat([stay, fresh])[torch.randperm(k, generator=gen)])
+        cur = torch.stack(nxt)
+        out.append(cur.clone())
+    return out
+
+
+def check_state(host, pos, slots, rows, before):
+    """slots holds exactly pos' positions, rows their host rows, and a slot whose position stayed chosen kept it."""
+    pos, slots, rows, before = pos.cpu(), slots.cpu(), rows.cpu(), before.cpu()
+    assert torch.equal(slots.sort(-1).values, pos.sort(-1).values)
+    assert torch.equal(rows, host.cpu().gather(2, slots[..., None].expand(-1, -1, -1, host.shape[-1])))
+    for r in range(pos.shape[0] * pos.shape[1]):
+        stayed = torch.isin(before.flatten(0, 1)[r], pos.flatten(0, 1)[r])
+        assert torch.equal(slots.flatten(0, 1)[r][stayed], before.flatten(0, 1)[r][stayed])
+
+
+def test_the_reference_keeps_rows_chosen_again_and_fetches_the_rest(gen):
+    B, H, N, X, K, lo = 1, 1, 300, 8, 40, 10
+    host = torch.randn(B, H, N, X, generator=gen)
+    slots = torch.full((B, H, K), -1, dtype=torch.long)
+    rows = torch.zeros(B, H, K, X)
+    counts = torch.zeros(2, dtype=torch.long)
+    fetched = 0
+    for pos in selections(gen, B * H, N - lo - 50, K, 12, 0.7):
+        pos = pos.reshape(B, H, K) + lo
+        before = slots.clone()
+        refresh_rows.reference(host, pos, slots, rows, lo, N - lo - 50, counts)
+        check_state(host, pos, slots, rows, before)
+        fetched += K - int(torch.isin(before, pos).sum())
+        # the new positions, ascending, went to the freed slots, ascending
+        freed = ~torch.isin(before, pos)
+        assert torch.equal(slots[freed], pos[~torch.isin(pos, before)].sort().values)
+    assert counts.tolist() == [fetched, 12 * K]
+
+
+def test_the_reference_fills_empty_slots_and_those_of_positions_not_chosen(gen):
+    """-1 and positions outside [lo, lo + n) or not chosen free their slots; the rest stay where they are."""
+    host = torch.randn(1, 2, 100, 4, generator=gen)
+    pos = torch.tensor([[[7, 5, 6], [9, 8, 10]]])
+    slots = torch.tensor([[[5, -1, 99], [10, 3, 8]]])
+    rows = torch.zeros(1, 2, 3, 4)
+    refresh_rows.reference(host, pos, slots, rows, 5, 7)
+    assert slots.tolist() == [[[5, 6, 7], [10, 9, 8]]]
+    check_state(host, pos, slots, rows, slots)
+
+
+def _on_gpu(gen, B, H, N, X, K, lo, n, steps, keep, dtype=torch.bfloat16):
+    host = torch.randn(B, H, N, X, generator=gen).to(dtype).pin_memory()
+    state = {}
+    for name in ("kernel", "reference"):
+        state[name] = (torch.full((B, H, K), -1, dtype=torch.long, device="cuda"),
+                       torch.zeros(B, H, K, X, dtype=dtype, device="cuda"),
+                       torch.zeros(2, dtype=torch.long, device="cuda"))
+    for pos in selections(gen, B * H, n, K, steps, keep):
+        pos = (pos.reshape(B, H, K) + lo).cuda()
+        before = state["kernel"][0].clone()
+        refresh_rows(host, pos, *state["kernel"][:2], lo, n, state["kernel"][2])
+        refresh_rows.reference(host, pos, *state["reference"][:2], lo, n, state["reference"][2])
+        torch.cuda.synchronize()
+        for a, b in zip(state["kernel"], state["reference"]):
+            assert torch.equal(a, b)
+        check_state(host, pos, *state["kernel"][:2], before)
+    return state
+
+
+@cuda
+@pytest.mark.parametrize("B,H,K,n,keep", [(1, 8, 1024, 131072, 0.8), (2, 3, 100, 5000, 0.5), (1, 2, 1500, 1500, 0.9),
+                                          (1, 1, 64, 600_000, 0.0), (1, 4, 1024, 4096, 1.0)])
+def test_the_kernel_equals_the_reference(gen, B, H, K, n, keep):
+    """Same slots, rows and counts as the reference step after step: 8 heads x 1024 of 128k; batch 2 with a
+    K that is no multiple of the block; every position of the range chosen; a bitmap past 48 KiB of shared
+    memory; nothing kept; everything kept."""
+    lo = 7
+    state = _on_gpu(gen, B, H, lo + n + 3, 256, K, lo, n, 4, keep)
+    assert state["kernel"][2][1] == 4 * B * H * K
+
+
+@cuda
+def test_the_kernel_replays_from_a_cuda_graph(gen):
+    B, H, N, X, K, lo, n = 1, 8, 20000, 256, 512, 4, 19000
+    host = torch.randn(B, H, N, X, generator=gen).bfloat16().pin_memory()
+    slots = torch.full((B, H, K), -1, dtype=torch.long, device="cuda")
+    rows = torch.zeros(B, H, K, X, dtype=torch.bfloat16, device="cuda")
+    pos = torch.empty(B, H, K, dtype=torch.long, device="cuda")
+    sel = selections(gen, B * H, n, K, 5, 0.75)
+    pos.copy_(sel[0].reshape(B, H, K) + lo)
+    refresh_rows(host, pos, slots, rows, lo, n)   # loads the kernel outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        refresh_rows(host, pos, slots, rows, lo, n)
+    for s in sel[1:]:
+        pos.copy_(s.reshape(B, H, K) + lo)
+        before = slots.clone()
+        g.replay()
+        torch.cuda.synchronize()
+        check_state(host, pos, slots, rows, before)
