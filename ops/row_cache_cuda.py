@@ -15,11 +15,12 @@ from tailorkv.ops.radix_select_cuda import RADIX_SELECT
 
 THREADS, UNROLL = 1024, 4
 
-_SOURCE = r"""
+_HEADER = """
 #define THREADS {threads}
 #define PER 4
 #define UNROLL {unroll}
-""" + RADIX_SELECT + r"""
+"""
+_SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(THREADS) refresh_rows_kernel(
         const unsigned long long src_addr, const long long* __restrict__ pos, long long* __restrict__ slots,
         uint4* __restrict__ rows, const int H, const int K, const long long sb, const long long sh,
@@ -110,7 +111,8 @@ def load(reference):
     """reference: the torch refresh_rows, for the arguments the kernel does not take."""
     import cupy
 
-    kernel = compile_module(_SOURCE.format(threads=THREADS, unroll=UNROLL)).get_function("refresh_rows_kernel")
+    source = _HEADER.format(threads=THREADS, unroll=UNROLL) + RADIX_SELECT + _SOURCE
+    kernel = compile_module(source).get_function("refresh_rows_kernel")
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     if not props["unifiedAddressing"]:
         raise RuntimeError("no unified addressing: pinned host pointers are not device pointers")

@@ -74,7 +74,9 @@ def test_the_reference_fills_empty_slots_and_those_of_positions_not_chosen(gen):
 
 
 def _on_gpu(gen, B, H, N, X, K, lo, n, steps, keep, dtype=torch.bfloat16):
+    from tailorkv.ops.dispatch import kernel_for
     host = torch.randn(B, H, N, X, generator=gen).to(dtype).pin_memory()
+    assert kernel_for("refresh_rows", host, torch.zeros(1, device="cuda")) is not None, "the kernel did not load"
     state = {}
     for name in ("kernel", "reference"):
         state[name] = (torch.full((B, H, K), -1, dtype=torch.long, device="cuda"),
