@@ -5,7 +5,8 @@ Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row w
 scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless); no-gather
 (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N (the short-row gather's
 blocks, threads per block, reads in flight per thread); sketch-bps-N (the sketch kernel's grid sized for N
-blocks per SM, 4 by default); several joined by "+"."""
+blocks per SM, 4 by default); refresh-threads-N, refresh-unroll-N (the row cache kernel's block size and reads in
+flight per thread); several joined by "+"."""
 from __future__ import annotations
 
 import sys
@@ -38,6 +39,10 @@ def patch_one(variant: str) -> None:
         from tailorkv.ops import host_gather_cuda
         knob = {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL"}[variant.split("-")[1]]
         setattr(host_gather_cuda, knob, int(variant.rsplit("-", 1)[1]))
+    elif variant.startswith("refresh-"):
+        from tailorkv.ops import row_cache_cuda
+        knob = {"threads": "THREADS", "unroll": "UNROLL"}[variant.split("-")[1]]
+        setattr(row_cache_cuda, knob, int(variant.rsplit("-", 1)[1]))
     elif variant.startswith("sketch-bps-"):
         from tailorkv.ops import sketch_scores_cuda
         per_sm, sized = int(variant.rsplit("-", 1)[1]), sketch_scores_cuda.units_per_block
