@@ -8,9 +8,11 @@ CTX=${1:-128k}
 shift || true
 export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
-[ -z "${SKIP_TESTS:-}" ] && timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/test_row_cache.py tests/test_sparse.py \
-    tests/test_kernels_select.py tests/test_kernels_topk_carry.py > "$OUT/tests.log" 2>&1
-[ -z "${SKIP_TESTS:-}" ] && { echo "== tests rc=$?"; tail -n 6 "$OUT/tests.log"; }
+if [ -z "${SKIP_TESTS:-}" ]; then
+    timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/test_row_cache.py tests/test_sparse.py \
+        tests/test_kernels_select.py tests/test_kernels_topk_carry.py > "$OUT/tests.log" 2>&1
+    echo "== tests rc=$?"; tail -n 6 "$OUT/tests.log"
+fi
 for v in "${@:-none reuse-off}"; do
     for one in $v; do
         timeout 150 python3 bench/ab_patch.py "$one" bench --model llama-3.1-8b --random-weights --ctx "$CTX" \
