@@ -21,7 +21,7 @@ __device__ __forceinline__ unsigned block_exclusive_scan(unsigned v, unsigned* w
     if (lane == 31) warp_sums[warp] = x;
     __syncthreads();
     if (warp == 0) {
-        unsigned w = warp_sums[lane];
+        unsigned w = lane < (int)(blockDim.x >> 5) ? warp_sums[lane] : 0u;  // blocks of fewer than 32 warps
         #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const unsigned y = __shfl_up_sync(0xffffffffu, w, o);
