@@ -6,7 +6,8 @@ scores replaced by a fixed random tensor: an ablation for timing only, its picks
 (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N (the short-row gather's
 blocks, threads per block, reads in flight per thread); sketch-bps-N (the sketch kernel's grid sized for N
 blocks per SM, 4 by default); refresh-threads-N, refresh-unroll-N (the row cache kernel's block size and reads in
-flight per thread); several joined by "+"."""
+flight per thread); predict-after-qkv (the next layer's prediction queued after the qkv projection);
+select-priority-0 (the select stream at normal priority); several joined by "+"."""
 from __future__ import annotations
 
 import sys
@@ -31,6 +32,17 @@ def patch_one(variant: str) -> None:
                 held[n] = torch.randn(q.shape[0], self.codes.shape[1], n, device=q.device)
             return held[n]
         sketch.KeySketch.scores = fixed
+    elif variant == "predict-after-qkv":
+        predict_after_qkv()
+    elif variant == "select-priority-0":
+        from tailorkv.engine import scheduler
+        init = scheduler.Scheduler.__init__
+
+        def normal_select(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if self._select is not None:
+                self._select = torch.cuda.Stream(self.device, priority=0)
+        scheduler.Scheduler.__init__ = normal_select
     elif variant == "reuse-off":
         sketch.SketchSelector.REUSE_ROWS = False
     elif variant == "no-gather":
@@ -49,6 +61,24 @@ def patch_one(variant: str) -> None:
         sketch_scores_cuda.units_per_block = lambda units, warps, device: sized(units, warps, device, per_sm)
     elif variant != "none":
         raise SystemExit(f"unknown variant {variant!r}")
+
+
+def predict_after_qkv() -> None:
+    """The next layer's query prediction (and so its sketch scores, top-K and gather) queued after this layer's
+    qkv projection instead of before it."""
+    from tailorkv.engine.cache import ModelCache
+    from tailorkv.models import llama
+    held, layer_input, project_qkv = [], ModelCache.layer_input, llama.Attention.project_qkv
+
+    def deferred(self, i, x, step):
+        held.append((self, i, x, step))
+
+    def qkv_then_predict(self, x):
+        out = project_qkv(self, x)
+        while held:
+            layer_input(*held.pop())
+        return out
+    ModelCache.layer_input, llama.Attention.project_qkv = deferred, qkv_then_predict
 
 
 if __name__ == "__main__":
