@@ -1,7 +1,7 @@
 """Run `tailorkv bench` with one engine knob patched, for A/B runs in one process per variant:
     PYTHONPATH=src python3 bench/ab_patch.py VARIANT bench ARGS...
-Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row whole); reuse-off
-(SketchSelector.REUSE_ROWS False: no row cache, all K rows gathered every step); no-sketch (the sketch
+Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row whole); reuse-on
+(SketchSelector.REUSE_ROWS True: each layer's row cache, only the newly chosen rows read from host); no-sketch (the sketch
 scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless); no-gather
 (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N (the short-row gather's
 blocks, threads per block, reads in flight per thread); sketch-bps-N (the sketch kernel's grid sized for N
@@ -43,8 +43,8 @@ def patch_one(variant: str) -> None:
             if self._select is not None:
                 self._select = torch.cuda.Stream(self.device, priority=0)
         scheduler.Scheduler.__init__ = normal_select
-    elif variant == "reuse-off":
-        sketch.SketchSelector.REUSE_ROWS = False
+    elif variant == "reuse-on":
+        sketch.SketchSelector.REUSE_ROWS = True
     elif variant == "no-gather":
         sketch.SketchSelector._gather = lambda self, layer, pos: None
     elif variant.startswith("gather-"):

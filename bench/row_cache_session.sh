@@ -13,7 +13,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
         tests/test_kernels_select.py tests/test_kernels_topk_carry.py > "$OUT/tests.log" 2>&1
     echo "== tests rc=$?"; tail -n 6 "$OUT/tests.log"
 fi
-for v in "${@:-none reuse-off}"; do
+for v in "${@:-none reuse-on}"; do
     for one in $v; do
         timeout 150 python3 bench/ab_patch.py "$one" bench --model llama-3.1-8b --random-weights --ctx "$CTX" \
             --methods tailorkv --select sketch-ahead --decode-steps 16 --warmup 4 --profile 2 --out "$OUT/$one" \

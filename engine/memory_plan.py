@@ -8,7 +8,8 @@ sparse layers' sink and tail slots, the scheduler's buffers (the selection's) an
 `sketch-ahead`, the sketch.
 
 The top-K budget costs little device memory (the chosen rows are read from pinned host memory in place, or, with
-sketch-ahead, kept per layer in a row cache of top-K rows: 4 MiB a layer for Llama-3.1-8B at K 1024), so the
+sketch-ahead, gathered into two buffers of top-K rows, or kept per layer in a row cache: 4 MiB a layer for
+Llama-3.1-8B at K 1024), so the
 planner chooses only the sketch's bits: the most of 2 and 1 that fit (4 when asked for).
 """
 from __future__ import annotations
@@ -68,15 +69,20 @@ def quant_layer_bytes(cfg, ctx: int, bits: int, group: int, batch: int, dtype_by
 def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtype_bytes: int) -> int:
     """A sparse layer's sink and tail slots and max|K|, and its share of the scheduler's buffers (two sets
     alternating by layer, each for the largest step: the paper's K^T rows of r channels and fp32 scores over the
-    middle; sketch-ahead's top-K positions; the synchronous sketch has none) and sketch-ahead's row cache."""
+    middle; sketch-ahead's top-K positions and gathered K/V rows, or with its row caches the positions only; the
+    synchronous sketch has none) and sketch-ahead's row cache if on."""
     from tailorkv.engine.policies.row_cache import RowCache
+    from tailorkv.engine.policies.sketch import SketchSelector
     from tailorkv.engine.policies.sparse import FLUSH
     hd, kv = cfg.head_dim, cfg.n_kv_heads
     slots = 2 * (settings.sink + settings.recent + FLUSH) * hd * dtype_bytes + 8 * hd
     rows = 0
     if settings.select == "sketch-ahead":
         buffers = settings.topk * 8
-        rows = RowCache.bytes_for(batch, kv, hd, settings.topk, dtype_bytes)  # each layer's own
+        if SketchSelector.REUSE_ROWS:  # each layer's own
+            rows = RowCache.bytes_for(batch, kv, hd, settings.topk, dtype_bytes)
+        else:
+            buffers += settings.topk * 2 * hd * dtype_bytes  # the gathered rows, two sets
     elif settings.sketched:
         buffers = 0
     else:

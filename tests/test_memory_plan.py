@@ -1,6 +1,8 @@
 """The memory planner's estimate against the H200 measurement, and its choice of the sketch's bits."""
 from dataclasses import replace
 
+import pytest
+
 from tailorkv.engine.memory_plan import GIB, estimate, plan_settings, plan_sketch_bits, sketch_bytes
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.models.config import ModelConfig
@@ -53,10 +55,14 @@ def test_only_tailorkv_with_a_sketch_and_a_limit_is_planned():
     assert s.sketch_bits == 1 and plan.message.startswith("memory plan: --sketch-bits 1")
 
 
-def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for():
+@pytest.mark.parametrize("reuse", [False, True])
+def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for(reuse, monkeypatch):
     """The sparse layers' scheduler buffers in the estimate are those each selector asks the scheduler for at the
     largest step (two sets shared by all layers): the paper's K^T rows and scores over the middle, none for the
-    synchronous sketch, top-K positions for sketch-ahead), and sketch-ahead's row cache (each layer's own)."""
+    synchronous sketch, top-K positions and gathered rows for sketch-ahead, only the positions with its row cache),
+    and sketch-ahead's row cache (each layer's own) when on."""
+    from tailorkv.engine.policies.sketch import SketchSelector
+    monkeypatch.setattr(SketchSelector, "REUSE_ROWS", reuse)
     import math
     import torch
     from tailorkv.engine.cache import LayerSpec
@@ -73,5 +79,5 @@ def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for():
         asked = sum(math.prod(most) * torch.empty(0, dtype=dt).element_size()
                     for _, most, dt in layer.selector.buffers(layer).values())
         own = layer.selector.device_bytes()
-        assert (select == "sketch-ahead") == (own > 0)
+        assert (select == "sketch-ahead" and reuse) == (own > 0)
         assert sparse_layer_bytes(cfg, s, ctx, 1, 2) - none == 2 * asked // cfg.n_layers + own, select

@@ -14,6 +14,7 @@ import torch
 import tailorkv.engine.policies.sparse as sparse
 from tailorkv.engine.cache import LayerSpec, ModelCache
 from tailorkv.engine.policies.full import FullCache
+from tailorkv.engine.policies.sketch import SketchSelector
 from tailorkv.engine.policies.sparse import SparseOffloadCache
 from tailorkv.engine.policies.selection import ChannelSelector, ObservedSelector
 from tailorkv.engine.runner import Runner
@@ -319,11 +320,13 @@ def test_sketch_big_budget_equals_full(gen, bits):
         assert sp.sketch.n == mid and len(sp.regions()["tail"]) < sp.cap
 
 
-def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(gen, small_flush):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(gen, small_flush, reuse, monkeypatch):
     """--select sketch-ahead: given the layer's own query as its prediction, every step equals --select sketch
     up to the order of the summed rows (they come through the layer's row cache, in its slot order, instead of the
     host store in place), across flushes; given
     another query, the positions are the sketch's top-K for that query; with no prediction, the layer's own."""
+    monkeypatch.setattr(SketchSelector, "REUSE_ROWS", reuse)
     B, hq, hkv, D = 1, 6, 2, 32
     spec = spec_of(hq, hkv, D, B, max_len=600)
     kw = dict(budget=8 + 40 + 16, sink=8, recent=16, sketch_bits=2)
@@ -338,6 +341,7 @@ def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(
         got = ahead.attend(q1, k1, v1, p, q_hat=q1 if p % 3 else None)
         assert rel_err(got, sync.attend(q1, k1, v1, p)) < 1e-6
     assert len(seen) == 30 and ahead.policy.selector.rows(ahead.policy) is not None
+    assert (ahead.policy.selector.inner.row_cache is not None) == reuse
     other = qkv(gen, B, hq, hkv, 1, D)[0]
     q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
     ahead.attend(q1, k1, v1, 330, q_hat=other)

@@ -98,13 +98,16 @@ class SketchSelector(TokenSelector):
     (`--select sketch-ahead`): from the query predicted one layer early, on the copy stream while the layer
     before computes, which also gathers the chosen rows into device buffers there (what that costs in recall:
     eval/results/2026-11-30-cpu-prediction-variants). A layer that gets no prediction does the same from its
-    own query, inside the step. With a row cache (engine/policies/row_cache.py, the default for sketch-ahead) the
-    gather reads only the chosen rows the layer's cache does not hold from the last step, and the attention reads
-    the rows in the cache's slot order."""
+    own query, inside the step. With a row cache (REUSE_ROWS) the gather reads only the chosen rows the layer's
+    cache does not hold from the last step, and the attention reads the rows in the cache's slot order."""
 
     # the scores and top-K of sketch-ahead on their own stream (False: on the copy stream, before the gather)
     SELECT_STREAM = True
-    REUSE_ROWS = True  # sketch-ahead keeps the last step's rows per layer on the device (False: gathers all K)
+    # sketch-ahead keeps each layer's last rows on the device and reads only the new ones (engine/policies/
+    # row_cache.py). Off: on the H200 with random Llama-3.1-8B weights at 128k consecutive steps share 1% of their
+    # rows, and the row cache cost 6.49 -> 6.69-6.97 ms/token; real weights share more (SmolLM2-135M over real text
+    # at 4k: 71%), not yet timed on a real 8B.
+    REUSE_ROWS = False
 
     def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0):
         self.rule, self.ahead = rule, ahead
