@@ -40,6 +40,7 @@ typedef {qt} qtype;
 #define KT (D / 16)
 #define RPW (16 / BITS)             // channel pairs per word
 #define MASK ((BITS == 1 ? 1u : BITS == 2 ? 3u : 15u) * 0x00010001u)
+#define HI (BITS < 4 ? 4 * BITS : 0)      // 1 and 2 bits: a word holds both pairs of a k-tile, HI bits apart
 #define QL (G <= 2 ? 1 : G <= 4 ? 2 : 4)   // lanes of a quad that hold this group's heads (2 per lane)
 #define STAGE_WORDS (GROUP * WPT + D)       // codes, then D fp16 scales and D fp16 mins
 #define NEG_INF __int_as_float(0xff800000u)
@@ -49,9 +50,10 @@ typedef {qt} qtype;
 
 __device__ __forceinline__ unsigned h2u(__half2 h) {{ return *reinterpret_cast<unsigned*>(&h); }}
 
-// a channel pair's codes (in the low bits of each half) as two fp16 values: (1024 + code) - 1024, exact
-__device__ __forceinline__ unsigned code2(unsigned x) {{
-    x = (x & MASK) | 0x64006400u;
+// a channel pair's codes (the bits of `mask` in each half, within its low 10) as two fp16 values:
+// (1024 + code 2^shift) - 1024, exact
+__device__ __forceinline__ unsigned code2(unsigned x, unsigned mask = MASK) {{
+    x = (x & mask) | 0x64006400u;
     return h2u(__hsub2(*reinterpret_cast<const __half2*>(&x), __float2half2_rn(1024.f)));
 }}
 
@@ -147,6 +149,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
         }}
         #pragma unroll
         for (int j = 0; j < 4; ++j) seed[j] = ldexpf(seed[j], p);
+        if (HI) {{  // the high pair's codes come in as code 2^HI (no second shift): its weights 2^-HI, exact
+            const __half2 down = __float2half2_rn(ldexpf(1.f, -HI));
+            #pragma unroll
+            for (int kt = 0; kt < KT; ++kt) {{
+                __half2 w = *reinterpret_cast<const __half2*>(&wv[kt][1]);
+                wv[kt][1] = h2u(__hmul2(w, down));
+            }}
+        }}
         const float mult = ldexpf(sm_scale * LOG2E, -p - e);   // logits in log2 units until the end
 
         // the group's 4 tiles of 16 tokens side by side (4 independent MMA chains); past N the codes are zeros
@@ -163,8 +173,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
             #pragma unroll
             for (int t = 0; t < 4; ++t) {{
                 const unsigned* r = sc + (16 * t + g) * WPT;
+#if HI
+                const unsigned x0 = r[k0] >> s0, x1 = r[8 * WPT + k0] >> s0;   // k1 == k0, s1 == s0 + HI
+                const unsigned a[4] = {{code2(x0), code2(x1), code2(x0, MASK << HI), code2(x1, MASK << HI)}};
+#else
                 const unsigned a[4] = {{code2(r[k0] >> s0), code2(r[8 * WPT + k0] >> s0),
                                        code2(r[k1] >> s1), code2(r[8 * WPT + k1] >> s1)}};
+#endif
                 mma_f16(acc[t], a, wv[kt][0], wv[kt][1]);
             }}
         }}
