@@ -6,7 +6,8 @@ scores replaced by a fixed random tensor: an ablation for timing only, its picks
 (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N (the short-row gather's
 blocks, threads per block, reads in flight per thread); sketch-bps-N (the sketch kernel's grid sized for N
 blocks per SM, 4 by default); refresh-threads-N, refresh-unroll-N (the row cache kernel's block size and reads in
-flight per thread); predict-after-qkv (the next layer's prediction queued after the qkv projection);
+flight per thread); predict-after-qkv (the next layer's prediction queued after the qkv projection); sketch-after-qkv (only
+its sketch, top-K and gather queued after it);
 select-priority-0 (the select stream at normal priority); several joined by "+"."""
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def patch_one(variant: str) -> None:
         sketch.KeySketch.scores = fixed
     elif variant == "predict-after-qkv":
         predict_after_qkv()
+    elif variant == "sketch-after-qkv":
+        sketch_after_qkv()
     elif variant == "select-priority-0":
         from tailorkv.engine import scheduler
         init = scheduler.Scheduler.__init__
@@ -79,6 +82,24 @@ def predict_after_qkv() -> None:
             layer_input(*held.pop())
         return out
     ModelCache.layer_input, llama.Attention.project_qkv = deferred, qkv_then_predict
+
+
+def sketch_after_qkv() -> None:
+    """The next layer's query predicted where it is now (before this layer's qkv projection), but its sketch
+    scores, top-K and gather queued after that projection."""
+    from tailorkv.engine.policies.sparse import SparseOffloadCache
+    from tailorkv.models import llama
+    held, predict, project_qkv = [], SparseOffloadCache.predict_query, llama.Attention.project_qkv
+
+    def deferred(self, q_hat):
+        held.append((self, q_hat))
+
+    def qkv_then_predict(self, x):
+        out = project_qkv(self, x)
+        while held:
+            predict(*held.pop())
+        return out
+    SparseOffloadCache.predict_query, llama.Attention.project_qkv = deferred, qkv_then_predict
 
 
 if __name__ == "__main__":
