@@ -216,8 +216,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
         #pragma unroll
         for (int i = 0; i < 8; ++i) r[i] *= LN2;
 #endif
+        // masked from `end` on: the group's tokens from row `held` on (64-bit arithmetic once per group)
+        const int held = (int)max(-1ll, min((long long)GROUP, endv - offset - (long long)grp * GROUP));
         #pragma unroll
-        for (int i = 0; i < 8; ++i) r[i] = offset + grp * GROUP + 8 * i + g >= endv ? NEG_INF : r[i];
+        for (int i = 0; i < 8; ++i) r[i] = 8 * i + g >= held ? NEG_INF : r[i];
         if (c == 0) {{
             #pragma unroll
             for (int i = 0; i < 8; ++i) {{
