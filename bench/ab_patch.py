@@ -33,10 +33,12 @@ def patch_one(variant: str) -> None:
                 held[n] = torch.randn(q.shape[0], self.codes.shape[1], n, device=q.device)
             return held[n]
         sketch.KeySketch.scores = fixed
-    elif variant == "predict-after-qkv":
-        predict_after_qkv()
-    elif variant == "sketch-after-qkv":
-        sketch_after_qkv()
+    elif variant == "predict-after-qkv":  # the next layer's prediction, and so all its selection work
+        from tailorkv.engine.cache import ModelCache
+        after_qkv(ModelCache, "layer_input")
+    elif variant == "sketch-after-qkv":  # the prediction where it was, its sketch, top-K and gather after
+        from tailorkv.engine.policies.sparse import SparseOffloadCache
+        after_qkv(SparseOffloadCache, "predict_query")
     elif variant == "select-priority-0":
         from tailorkv.engine import scheduler
         init = scheduler.Scheduler.__init__
@@ -66,40 +68,22 @@ def patch_one(variant: str) -> None:
         raise SystemExit(f"unknown variant {variant!r}")
 
 
-def predict_after_qkv() -> None:
-    """The next layer's query prediction (and so its sketch scores, top-K and gather) queued after this layer's
-    qkv projection instead of before it."""
-    from tailorkv.engine.cache import ModelCache
+def after_qkv(owner, name: str) -> None:
+    """owner.name's calls held back until the layer's qkv projection has been queued, then made in order."""
     from tailorkv.models import llama
-    held, layer_input, project_qkv = [], ModelCache.layer_input, llama.Attention.project_qkv
+    held, original, project_qkv = [], getattr(owner, name), llama.Attention.project_qkv
 
-    def deferred(self, i, x, step):
-        held.append((self, i, x, step))
+    def deferred(*args):
+        held.append(args)
 
-    def qkv_then_predict(self, x):
+    def qkv_then_held(self, x):
         out = project_qkv(self, x)
-        while held:
-            layer_input(*held.pop())
+        for args in held:
+            original(*args)
+        held.clear()
         return out
-    ModelCache.layer_input, llama.Attention.project_qkv = deferred, qkv_then_predict
-
-
-def sketch_after_qkv() -> None:
-    """The next layer's query predicted where it is now (before this layer's qkv projection), but its sketch
-    scores, top-K and gather queued after that projection."""
-    from tailorkv.engine.policies.sparse import SparseOffloadCache
-    from tailorkv.models import llama
-    held, predict, project_qkv = [], SparseOffloadCache.predict_query, llama.Attention.project_qkv
-
-    def deferred(self, q_hat):
-        held.append((self, q_hat))
-
-    def qkv_then_predict(self, x):
-        out = project_qkv(self, x)
-        while held:
-            predict(*held.pop())
-        return out
-    SparseOffloadCache.predict_query, llama.Attention.project_qkv = deferred, qkv_then_predict
+    setattr(owner, name, deferred)
+    llama.Attention.project_qkv = qkv_then_held
 
 
 if __name__ == "__main__":
