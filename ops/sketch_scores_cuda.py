@@ -138,25 +138,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
         if (ms > 0.f) p = min(-1 - ilogbf(ms), 15);
         const __half2 p2 = __float2half2_rn(ldexpf(1.f, p));
         unsigned wv[KT][2];
+        // the high pair's codes come in as code 2^HI (no second shift): its weights times 2^-HI, exact
+        const __half2 down = __float2half2_rn(ldexpf(1.f, -HI));
         float seed[4] = {{0.f, 0.f, 0.f, 0.f}};
         #pragma unroll
         for (int kt = 0; kt < KT; ++kt) {{
             wv[kt][0] = h2u(__hmul2(__hmul2(sv[kt][0], p2), qh[kt][0]));
-            wv[kt][1] = h2u(__hmul2(__hmul2(sv[kt][1], p2), qh[kt][1]));
+            wv[kt][1] = h2u(__hmul2(__hmul2(__hmul2(sv[kt][1], p2), qh[kt][1]), down));
             const unsigned m0 = h2u(sm[8 * kt + c]), m1 = h2u(sm[8 * kt + 4 + c]);
             const unsigned a[4] = {{m0, m0, m1, m1}};
             mma_f16(seed, a, h2u(qh[kt][0]), h2u(qh[kt][1]));   // q 2^e . min, in every row
         }}
         #pragma unroll
         for (int j = 0; j < 4; ++j) seed[j] = ldexpf(seed[j], p);
-        if (HI) {{  // the high pair's codes come in as code 2^HI (no second shift): its weights 2^-HI, exact
-            const __half2 down = __float2half2_rn(ldexpf(1.f, -HI));
-            #pragma unroll
-            for (int kt = 0; kt < KT; ++kt) {{
-                __half2 w = *reinterpret_cast<const __half2*>(&wv[kt][1]);
-                wv[kt][1] = h2u(__hmul2(w, down));
-            }}
-        }}
         const float mult = ldexpf(sm_scale * LOG2E, -p - e);   // logits in log2 units until the end
 
         // the group's 4 tiles of 16 tokens side by side (4 independent MMA chains); past N the codes are zeros
