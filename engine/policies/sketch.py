@@ -105,8 +105,8 @@ class SketchSelector(TokenSelector):
     SELECT_STREAM = True
     # sketch-ahead keeps each layer's last rows on the device and reads only the new ones (engine/policies/
     # row_cache.py). Off: on the H200 with random Llama-3.1-8B weights at 128k consecutive steps share 1% of their
-    # rows, and the row cache cost 6.49 -> 6.69-6.97 ms/token; real weights share more (SmolLM2-135M over real text
-    # at 4k: 71%), not yet timed on a real 8B.
+    # rows, and the row cache cost 6.49 -> 6.69-6.97 ms/token; real weights share far more (SmolLM2-135M at 8k on
+    # the H200: 81%, PCIe 19.0 -> 3.6 MiB/token), not yet timed on a real 8B.
     REUSE_ROWS = False
 
     def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0):
