@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the row cache (twelfth/thirteenth sessions' A/B pattern): its cuda tests, then tailorkv at
-# 128k with the row cache and without it (bench/ab_patch.py), each with a profiled stage table.
-#   TAILORKV_COMMIT=... OUT=... bash bench/row_cache_session.sh [CTX] [VARIANTS...]
+# One device call for A/B runs: the sketch/top-K/row-cache cuda tests (unless SKIP_TESTS), then tailorkv
+# sketch-ahead at CTX once per bench/ab_patch.py variant (default: none, reuse-on), each with a profiled stage
+# table, printed as one summary per variant.
+#   TAILORKV_COMMIT=... OUT=... bash bench/ab_session.sh [CTX] [VARIANTS...]
 set -u
 OUT=${OUT:-out}
 CTX=${1:-128k}
