@@ -1,19 +1,24 @@
 """Run `tailorkv bench` with one engine knob patched, for A/B runs in one process per variant:
     PYTHONPATH=src python3 bench/ab_patch.py VARIANT bench ARGS...
 Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row whole); reuse-on
-(SketchSelector.REUSE_ROWS True: each layer's row cache, only the newly chosen rows read from host); no-sketch (the sketch
-scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless); no-gather
-(the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N (the short-row gather's
-blocks, threads per block, reads in flight per thread); sketch-bps-N (the sketch kernel's grid sized for N
-blocks per SM, 4 by default); refresh-threads-N, refresh-unroll-N (the row cache kernel's block size and reads in
-flight per thread); predict-after-qkv (the next layer's prediction queued after the qkv projection); sketch-after-qkv (only
-its sketch, top-K and gather queued after it);
+(SketchSelector.REUSE_ROWS True: each layer's row cache, only the newly chosen rows read from host); no-sketch
+(the sketch scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless);
+no-gather (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N
+(the short-row gather's blocks, threads per block, reads in flight per thread); refresh-threads-N,
+refresh-unroll-N (the row cache kernel's block size and reads in flight per thread); sketch-bps-N (the sketch
+kernel's grid sized for N blocks per SM, 4 by default); predict-after-qkv (the next layer's prediction queued
+after the qkv projection); sketch-after-qkv (only its sketch, top-K and gather queued after it);
 select-priority-0 (the select stream at normal priority); several joined by "+"."""
 from __future__ import annotations
 
+import importlib
 import sys
 
 import torch
+
+# variant prefix -> (the kernel's module in ops/, its constants by variant name), read when the kernel loads
+KERNEL_KNOBS = {"gather": ("host_gather_cuda", {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL"}),
+                "refresh": ("row_cache_cuda", {"threads": "THREADS", "unroll": "UNROLL"})}
 
 
 def patch(variants: str) -> None:
@@ -52,14 +57,10 @@ def patch_one(variant: str) -> None:
         sketch.SketchSelector.REUSE_ROWS = True
     elif variant == "no-gather":
         sketch.SketchSelector._gather = lambda self, layer, pos: None
-    elif variant.startswith("gather-"):
-        from tailorkv.ops import host_gather_cuda
-        knob = {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL"}[variant.split("-")[1]]
-        setattr(host_gather_cuda, knob, int(variant.rsplit("-", 1)[1]))
-    elif variant.startswith("refresh-"):
-        from tailorkv.ops import row_cache_cuda
-        knob = {"threads": "THREADS", "unroll": "UNROLL"}[variant.split("-")[1]]
-        setattr(row_cache_cuda, knob, int(variant.rsplit("-", 1)[1]))
+    elif variant.split("-")[0] in KERNEL_KNOBS:  # e.g. gather-blocks-12: a kernel module's constant
+        kernel, knob, value = variant.split("-")
+        module, names = KERNEL_KNOBS[kernel]
+        setattr(importlib.import_module(f"tailorkv.ops.{module}"), names[knob], int(value))
     elif variant.startswith("sketch-bps-"):
         from tailorkv.ops import sketch_scores_cuda
         per_sm, sized = int(variant.rsplit("-", 1)[1]), sketch_scores_cuda.units_per_block
