@@ -8,7 +8,8 @@ no-gather (the selected rows are not gathered: timing only); gather-blocks-N, ga
 refresh-unroll-N (the row cache kernel's block size and reads in flight per thread); sketch-bps-N (the sketch
 kernel's grid sized for N blocks per SM, 4 by default); predict-after-qkv (the next layer's prediction queued
 after the qkv projection); sketch-after-qkv (only its sketch, top-K and gather queued after it);
-select-priority-0 (the select stream at normal priority); several joined by "+"."""
+select-priority-0 (the select stream at normal priority); embed-device (an untied embedding table kept on the
+device, not in pinned host memory); several joined by "+"."""
 from __future__ import annotations
 
 import importlib
@@ -53,6 +54,9 @@ def patch_one(variant: str) -> None:
             if self._select is not None:
                 self._select = torch.cuda.Stream(self.device, priority=0)
         scheduler.Scheduler.__init__ = normal_select
+    elif variant == "embed-device":
+        from tailorkv.models import loader
+        loader.HOST_EMBEDDINGS = False
     elif variant == "reuse-on":
         sketch.SketchSelector.REUSE_ROWS = True
     elif variant == "no-gather":

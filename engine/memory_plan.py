@@ -29,8 +29,11 @@ HEADROOM = GIB // 2
 
 
 def weight_bytes(cfg, dtype_bytes: int) -> int:
-    """The projections, the embedding tables and the norms (two per layer, one at the end)."""
-    return dtype_bytes * (cfg.n_layers * (cfg.layer_matmul_params + 2 * cfg.dim) + cfg.embedding_params + cfg.dim)
+    """The projections, the output projection (the embedding table when tied) and the norms (two per layer, one at
+    the end). An untied embedding table stays in pinned host memory (models/loader.py)."""
+    from tailorkv.models.loader import embeddings_on_host
+    tables = cfg.embedding_params - (cfg.vocab_size * cfg.dim if embeddings_on_host(cfg, "cuda") else 0)
+    return dtype_bytes * (cfg.n_layers * (cfg.layer_matmul_params + 2 * cfg.dim) + tables + cfg.dim)
 
 
 def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> int:

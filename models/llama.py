@@ -13,6 +13,7 @@ from torch import nn
 from tailorkv.models.config import ModelConfig
 from tailorkv.models.rope import Rope
 from tailorkv.ops.fused import add_rms_norm, rms_norm, silu_mul_halves
+from tailorkv.ops.host_gather import gather_rows
 from tailorkv.ops.linear import linear
 
 MLP_CHUNK = 4096  # prefill tokens per MLP call: bounds the [T, hidden_dim] activations
@@ -183,7 +184,7 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, step, cache, all_logits: bool = False) -> torch.Tensor:
         """tokens [B, T] of `step` (engine.step.Step: its positions, made by `cache.begin`); returns logits
         [B, T, V] (all_logits) or [B, V] (last)."""
-        h = self.model.embed_tokens(tokens)
+        h = self.embed(tokens)
         layers = self.model.layers
         x = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
@@ -195,6 +196,15 @@ class Llama(nn.Module):
             x = x[:, -1:]
         logits = linear(x, self.output_weight).float()
         return logits if all_logits else logits[:, -1]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> [B, T, dim]. A table in pinned host memory (models/loader.py puts an untied one
+        there for a GPU) is read row by row over PCIe with the ids on the device: no sync, graph-capturable."""
+        w = self.model.embed_tokens.weight
+        if w.device == tokens.device:
+            return self.model.embed_tokens(tokens)
+        rows = gather_rows(w.view(1, 1, *w.shape), tokens.reshape(1, 1, -1), tokens.device)
+        return rows.view(*tokens.shape, w.shape[-1])
 
     def project_query(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer layer_idx's roped query for normalized input x [B, T, dim] at `positions` -> [B, Hq, T, D]."""
