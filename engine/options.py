@@ -56,9 +56,6 @@ def method_options(fn):
         click.option("--sketch-bits", type=click.Choice([str(b) for b in SKETCH_BITS]), default=str(d.sketch_bits),
                      show_default=True,
                      help=f"bits of the key sketch ({_users('sketch_bits')})"),
-        click.option("--sketch-keys", is_flag=True,
-                     help="attend the chosen middle tokens over their keys dequantized from the sketch, reading only "
-                          f"their values from host memory: half the PCIe bytes ({_users('sketch_keys')})"),
         click.option("--select-rule", type=click.Choice(SELECT_RULES), default=d.select_rule, show_default=True,
                      help="top-K tokens of a KV head from its query heads' scores: summed logits (paper), "
                           f"logsumexp of logits (lse), summed probabilities (psum) ({_users('select_rule')})"),
@@ -74,8 +71,8 @@ def method_options(fn):
     return fn
 
 
-KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "select", "sketch_bits", "sketch_keys",
-         "select_rule", "channel_rule", "own_query_below")
+KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "select", "sketch_bits", "select_rule",
+         "channel_rule", "own_query_below")
 
 
 def given_knobs(ctx: click.Context) -> list[str]:
@@ -101,7 +98,7 @@ def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
 
 
 def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select="channels", sketch_bits=2,
-                  select_rule=None, channel_rule=None, own_query_below=None, sketch_keys=False):
+                  select_rule=None, channel_rule=None, own_query_below=None):
     from tailorkv.engine.settings import MethodSettings
     ql = None
     if quant_layers is not None:
@@ -113,7 +110,7 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
                                ("own_query_below", own_query_below)) if v is not None}
     s = MethodSettings(method=method, bits=None if bits is None else int(bits), budget=budget, sink=sink,
                        recent=recent, channels=channels, quant_layers=ql, select=select,
-                       sketch_bits=int(sketch_bits), sketch_keys=bool(sketch_keys), **rules)
+                       sketch_bits=int(sketch_bits), **rules)
     try:
         s.validate()
     except ValueError as e:

@@ -20,7 +20,6 @@ KNOB_USERS = {
     "quant_layers": ("tailorkv",),
     "select": ("tailorkv",),
     "sketch_bits": ("tailorkv",),
-    "sketch_keys": ("tailorkv",),
     "select_rule": ("tailorkv",),
     "channel_rule": ("tailorkv",),
     "own_query_below": ("tailorkv",),
@@ -48,8 +47,6 @@ class MethodSettings:
     #                            sketch-ahead = the same sketch scored one layer early from the predicted query,
     #                            the chosen K/V rows gathered on the copy stream under the layer before's compute
     sketch_bits: int = 2       # bits of the sketch (SKETCH_BITS)
-    sketch_keys: bool = False  # the chosen middle tokens' keys dequantized from the sketch: only their values are
-    #                            read from host memory (half the PCIe bytes); their attention scores from low-bit keys
     quant_layers: list[int] | None = None  # None: from the model's profile
     own_query_below: float = 0.5  # sparse layers whose profiled q-hat cosine (one-layer-early prediction) is below
     #                               this select from their own query, without the prefetch; 0 = never
@@ -93,9 +90,6 @@ class MethodSettings:
             raise ValueError(f"--select {self.select}: use {', '.join(SELECT_MODES)}")
         if self.sketch_bits not in SKETCH_BITS:
             raise ValueError(f"--sketch-bits must be 1, 2 or 4, got {self.sketch_bits}")
-        if self.sketch_keys and not self.sketched:
-            raise ValueError(f"--sketch-keys takes the keys from the key sketch: it needs --select sketch or "
-                             f"sketch-ahead, not {self.select}")
         if self.select_rule not in SELECT_RULES:
             raise ValueError(f"--select-rule {self.select_rule}: use {', '.join(SELECT_RULES)}")
         if self.channel_rule not in CHANNEL_RULES:

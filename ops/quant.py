@@ -166,20 +166,14 @@ def quantize_sketch(k: torch.Tensor, bits: int = 2, group: int = 64):
     return pack(codes, bits, dim=3), scale, mn
 
 
-def unpack_sketch(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """A sketch's int32 words [..., D/CPW] -> its uint8 codes [..., D] in channel order."""
-    packed = unpack(codes, bits, dim=codes.dim() - 1)
-    c = torch.empty_like(packed)
-    c[..., _sketch_order(bits, packed.shape[-1], codes.device)] = packed
-    return c
-
-
 @op("dequantize_sketch")
 def dequantize_sketch(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int = 2, group: int = 64,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of quantize_sketch -> [B, H, T, D] in `dtype`, T = codes.shape[2] tokens (any T: the last
     group may be partial; scale and min need ceil(T / group) rows)."""
-    c = unpack_sketch(codes, bits)
+    packed = unpack(codes, bits, dim=3)
+    c = torch.empty_like(packed)
+    c[..., _sketch_order(bits, packed.shape[3], codes.device)] = packed
     T = c.shape[2]
     sc = scale.float().repeat_interleave(group, 2)[:, :, :T]
     return (c.float() * sc + mn.float().repeat_interleave(group, 2)[:, :, :T]).to(dtype)

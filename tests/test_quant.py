@@ -112,50 +112,6 @@ def test_sketch_is_the_key_quantization_packed_per_token(gen, bits, D):
     assert torch.equal(dequantize_sketch(codes[:, :, :100], scale, mn, bits, 64), deq[:, :, :100])
 
 
-def _sketch_rows_case(gen, bits, D, B, H, T, K, device, dtype, span=None):
-    from tailorkv.ops.quant import quantize_sketch
-    k = rand(gen, B, H, T, D) * 3
-    codes, scale, mn = quantize_sketch(k, bits, 64)
-    offset = 5
-    span = span or T - 7
-    pos = torch.stack([torch.randperm(span, generator=gen)[:K] for _ in range(B * H)]).view(B, H, K) + offset
-    to = lambda t: t.to(device)  # noqa: E731
-    return to(codes), to(scale), to(mn), to(pos), offset, torch.full((B, H, K, D), float("nan"), device=device,
-                                                                     dtype=dtype)
-
-
-@pytest.mark.parametrize("bits", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sketch_rows_are_the_dequantized_sketch_at_the_positions(gen, bits, dtype):
-    """sketch_rows (--sketch-keys): row j of out is the dequantized sketch at absolute position pos[j] (the sketch
-    starts at `offset`), rounded once to out's dtype; every element written."""
-    from tailorkv.ops.quant import dequantize_sketch
-    from tailorkv.ops.sketch_rows import sketch_rows
-    codes, scale, mn, pos, off, out = _sketch_rows_case(gen, bits, 64, 2, 3, 192, 50, "cpu", dtype)
-    got = sketch_rows(codes, scale, mn, bits, 64, pos, off, out)
-    assert got is out and not out.isnan().any()
-    deq = dequantize_sketch(codes, scale, mn, bits, 64)
-    want = deq.gather(2, (pos - off)[..., None].expand(-1, -1, -1, 64)).to(dtype)
-    assert torch.equal(out, want)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("bits", [1, 2, 4])
-@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (64, torch.float16), (128, torch.float32)])
-def test_sketch_rows_kernel_equals_its_reference(gen, bits, D, dtype):
-    """The CUDA kernel gives the reference's values bit for bit (the same two fp32 roundings, then one to the
-    dtype), a non-contiguous sketch view (the first n tokens of a longer one) included."""
-    from tailorkv.ops import sketch_rows_cuda
-    from tailorkv.ops.sketch_rows import sketch_rows
-    codes, scale, mn, pos, off, out = _sketch_rows_case(gen, bits, D, 2, 8, 1024 + 64, 1000, "cuda", dtype,
-                                                       span=1040)
-    codes, scale, mn = codes[:, :, :1024 + 32], scale[:, :, :17], mn[:, :, :17]
-    kernel = sketch_rows_cuda.load(sketch_rows.reference)
-    got = kernel(codes, scale, mn, bits, 64, pos, off, out)
-    want = sketch_rows.reference(codes, scale, mn, bits, 64, pos, off, torch.empty_like(out))
-    assert not got.isnan().any() and torch.equal(got, want)
-
-
 @pytest.mark.parametrize("bits", [1, 2])
 @pytest.mark.parametrize("D", [64, 128])
 def test_value_quant_error_bound(gen, bits, D):

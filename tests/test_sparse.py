@@ -354,36 +354,6 @@ def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(
     assert torch.equal(rows_v, lay.host_v.gather(2, seen[-1][..., None].expand(-1, -1, -1, D2)))
 
 
-@pytest.mark.parametrize("select", ["sketch", "sketch-ahead"])
-def test_sketch_keys_attend_the_chosen_tokens_over_their_sketched_keys(gen, small_flush, select):
-    """--sketch-keys: the same tokens as without it, attended over the sketch's dequantized keys (a layer without
-    it whose host keys are replaced by those gives the same output) and their exact values; half the PCIe bytes."""
-    from tailorkv.ops.quant import dequantize_sketch
-    B, hq, hkv, D = 1, 6, 2, 32
-    spec = spec_of(hq, hkv, D, B, max_len=600)
-    kw = dict(budget=8 + 40 + 16, sink=8, recent=16, sketch_bits=4, select=select)
-    keys, exact = One(SparseOffloadCache(spec, settings(**kw, sketch_keys=True))), \
-        One(SparseOffloadCache(spec, settings(**kw)))
-    q, K, V = qkv(gen, B, hq, hkv, 300, D)
-    assert rel_err(keys.attend(q, K, V, 0), exact.attend(q, K, V, 0)) < 1e-6
-    for p in range(300, 330):  # across flushes: the middle and its sketch grow
-        q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
-        sk, m = keys.policy.sketch, keys.policy.regions()["middle"]
-        exact.policy.host_k[:, :, m.start:m.stop] = dequantize_sketch(sk.codes, sk.scale, sk.min, 4, 64)[:, :, :len(m)]
-        hat = q1 if select == "sketch-ahead" else None
-        assert rel_err(keys.attend(q1, k1, v1, p, q_hat=hat), exact.attend(q1, k1, v1, p, q_hat=hat)) < 1e-6
-    assert keys.stats()["bytes_fetched"] * 2 == exact.stats()["bytes_fetched"] > 0
-    rows_k, rows_v = keys.policy.selector.rows(keys.policy)
-    pos = keys.policy.buffer("positions")[..., None].expand(-1, -1, -1, D)
-    assert torch.equal(rows_v, keys.policy.host_v.gather(2, pos))
-    assert not torch.equal(rows_k, keys.policy.host_k.gather(2, pos))     # 4-bit keys, not the exact ones
-
-
-def test_sketch_keys_need_a_sketch():
-    with pytest.raises(ValueError, match="--sketch-keys .* needs --select sketch or sketch-ahead"):
-        settings(sketch_keys=True).validate()
-
-
 @pytest.mark.parametrize("bits", [2, 4])
 def test_sketch_takes_a_partial_last_group(gen, bits):
     """A prompt whose middle is not whole 64-token groups: the tail keeps exactly `recent` tokens (as on the

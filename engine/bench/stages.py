@@ -17,7 +17,6 @@ import re
 STAGES = (
     ("pcie gather", r"gather_rows|gather_long_rows|refresh_rows"),
     ("sketch scores", r"sketch_scores"),
-    ("sketch keys", r"sketch_rows"),
     ("1/2-bit attention", r"qk_quant|av_quant|quant_attn"),
     ("selection", r"approx_scores|topk|radix|sort|bitonic|channel"),
     ("attention", r"attend_|flash|fmha|attention|cudnn|softmax"),

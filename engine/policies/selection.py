@@ -17,7 +17,6 @@ from tailorkv.ops.sparse_select import (approx_scores, channel_scores, combine_h
 
 class TokenSelector:
     fetches_ahead = False  # True: prefetch() has work to start on the copy stream from the predicted query
-    host_rows = 2          # rows read from host memory per selected token and KV head (its K and V)
 
     def buffers(self, layer) -> dict:
         """The scheduler buffers this selector fills for the layer's decode step: name -> (shape of this step,

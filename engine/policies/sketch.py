@@ -22,7 +22,6 @@ from tailorkv.ops.host_gather import gather_rows
 from tailorkv.ops.row_cache import refresh_rows
 from tailorkv.ops.attention import softmax_scale
 from tailorkv.ops.quant import codes_per_word, quantize_sketch
-from tailorkv.ops.sketch_rows import sketch_rows
 from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
 from tailorkv.ops.topk_carry import TopKCarry
 
@@ -88,11 +87,6 @@ class KeySketch:
         return sketch_scores(q, self.codes[:, :, :n], self.scale[:, :, :n // g], self.min[:, :, :n // g],
                              self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]), carry=self.carry)
 
-    def keys_at(self, pos: torch.Tensor, offset: int, out: torch.Tensor) -> torch.Tensor:
-        """The dequantized keys [B, H, K, D] (out's dtype) at absolute positions pos [B, H, K] (position i of the
-        sketch is absolute offset + i)."""
-        return sketch_rows(self.codes, self.scale, self.min, self.bits, self.group, pos, offset, out)
-
     def device_bytes(self) -> int:
         carry = self.carry.device_bytes() if self.carry is not None else 0
         return carry + sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
@@ -105,9 +99,7 @@ class SketchSelector(TokenSelector):
     before computes, which also gathers the chosen rows into device buffers there (what that costs in recall:
     eval/results/2026-11-30-cpu-prediction-variants). A layer that gets no prediction does the same from its
     own query, inside the step. With a row cache (REUSE_ROWS) the gather reads only the chosen rows the layer's
-    cache does not hold from the last step, and the attention reads the rows in the cache's slot order.
-    keys=True (`--sketch-keys`): the chosen rows' keys are dequantized from the sketch on the device and only their
-    values are read from the host (half the PCIe bytes), gathered into device buffers in either mode; no row cache."""
+    cache does not hold from the last step, and the attention reads the rows in the cache's slot order."""
 
     # the scores and top-K of sketch-ahead on their own stream (False: on the copy stream, before the gather)
     SELECT_STREAM = True
@@ -117,15 +109,10 @@ class SketchSelector(TokenSelector):
     # the H200: 81%, PCIe 19.0 -> 3.6 MiB/token), not yet timed on a real 8B.
     REUSE_ROWS = False
 
-    def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0, keys: bool = False):
-        self.rule, self.ahead, self.keys = rule, ahead, keys
-        self.host_rows = 1 if keys else 2
-        use = ahead and self.REUSE_ROWS and not keys and spec is not None and topk > 0
+    def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0):
+        self.rule, self.ahead = rule, ahead
+        use = ahead and self.REUSE_ROWS and spec is not None and topk > 0
         self.row_cache = RowCache(spec, topk) if use else None
-
-    @classmethod
-    def of(cls, settings, spec, topk: int) -> "SketchSelector":
-        return cls(settings.combine_rule, settings.select == "sketch-ahead", spec, topk, settings.sketch_keys)
 
     def reset(self) -> None:
         if self.row_cache is not None:
@@ -139,18 +126,18 @@ class SketchSelector(TokenSelector):
         return self.ahead
 
     def buffers(self, layer):
-        if not (self.ahead or self.keys):
+        if not self.ahead:
             return {}
         s, k = layer.spec, layer.topk
         B, H, D = s.batch, s.n_kv_heads, s.head_dim
         chosen = {"positions": ((B, H, k), (B * H * k,), torch.long)}
-        if self.row_cache is None:  # K and V rows side by side, or with keys: two planes, K's then V's
-            chosen["rows"] = ((2, B, H, k, D) if self.keys else (B, H, k, 2 * D), (B * H * k * 2 * D,), s.dtype)
+        if self.row_cache is None:
+            chosen["rows"] = ((B, H, k, 2 * D), (B * H * k * 2 * D,), s.dtype)
         return chosen
 
     def prefetch(self, layer, q_sel):
         if self.ahead:
-            self._gather(layer, self._pick_keys(layer, q_sel))
+            self._gather(layer, self._pick(layer, q_sel, out=layer.buffer("positions")))
 
     def prefetch_ahead(self, layer, q_sel, event):
         """The scores and top-K on the select stream, the gather on the copy stream after them: the next
@@ -161,23 +148,14 @@ class SketchSelector(TokenSelector):
             return
         picked = event + ":picked"
         with layer.scheduler.select_stream(picked):
-            pos = self._pick_keys(layer, q_sel)
+            pos = self._pick(layer, q_sel, out=layer.buffer("positions"))
         with layer.scheduler.copy_stream(event, after=(picked,)):
             self._gather(layer, pos)
-
-    def _pick_keys(self, layer, q):
-        """_pick into the positions buffer, and with keys their dequantized keys into the K plane of the rows."""
-        pos = self._pick(layer, q, out=layer.buffer("positions"))
-        if self.keys:
-            layer.sketch.keys_at(pos, layer.sink, out=layer.buffer("rows")[0])
-        return pos
 
     def _gather(self, layer, pos):
         B, H, N, _, D = layer.host_kv.shape
         host, cache = layer.host_kv.view(B, H, N, 2 * D), self.row_cache
-        if self.keys:
-            gather_rows(layer.host_v, pos, pos.device, out=layer.buffer("rows")[1])
-        elif cache is None:
+        if cache is None:
             gather_rows(host, pos, pos.device, out=layer.buffer("rows"))
         else:
             refresh_rows(host, pos, cache.slots, cache.rows, layer.sink, layer.middle_bucket, cache.counts)
@@ -186,17 +164,13 @@ class SketchSelector(TokenSelector):
         if layer.middle_whole:
             return layer.whole_middle(q)
         if not self.ahead:
-            if not self.keys:
-                return self._pick(layer, q)
-            self._gather(layer, self._pick_keys(layer, q))
+            return self._pick(layer, q)
         return layer.buffer("positions") if self.row_cache is None else self.row_cache.slots
 
     def rows(self, layer):
-        if not (self.ahead or self.keys) or layer.middle_whole:
+        if not self.ahead or layer.middle_whole:
             return None
         r = layer.buffer("rows") if self.row_cache is None else self.row_cache.rows
-        if self.keys:
-            return r[0], r[1]
         D = layer.spec.head_dim
         return r[..., :D], r[..., D:]
 

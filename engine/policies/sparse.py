@@ -64,7 +64,7 @@ class SparseOffloadCache(LayerCache):
         self.sketch = None
         if settings.sketched:
             self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink, self.topk)
-            self.selector = SketchSelector.of(settings, spec, self.topk)
+            self.selector = SketchSelector(settings.combine_rule, settings.select == "sketch-ahead", spec, self.topk)
         else:
             self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
@@ -179,9 +179,9 @@ class SparseOffloadCache(LayerCache):
         kt_rows = 0 if self.sketch is not None else self.r * self.middle_bucket
         kt_bytes = self.spec.batch * self.spec.n_kv_heads * kt_rows * self.host_k.element_size()
         self.prefetch_after_attention = self.sketch is None and kt_bytes <= LATE_PREFETCH_BYTES
-        rows_read = (self.topk if mid > 0 else 0) * (2 if self.middle_whole else self.selector.host_rows)
+        gathered = self.topk if mid > 0 else 0
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
-        self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + rows_read * row,
+        self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
                      "middle_tokens": mid, "tokens_attended": on_device + fetched}
         return ("whole" if self.middle_whole else "none" if mid <= 0 else "select", self.middle_bucket)
 
