@@ -1,7 +1,8 @@
 """What a run needs of the device's memory, and the key sketch's precision that fits a --gpu-mem-limit.
 
 The estimate is the prefill's peak (the largest moment of a run: measured on the H200 for Llama-3.1-8B at 128k,
-tailorkv with a 2-bit sketch-ahead, 19.36 GiB; this model says 19.3): the weights, the prompt's activations (the
+tailorkv with sketch-ahead, 18.39 GiB at 2 bits and 19.36 at 4; this model says 18.3 and 19.3): the weights (an
+untied embedding table stays in pinned host memory, models/loader.py), the prompt's activations (the
 residual stream, one [T, dim] buffer that the layer's input, q, the attention output and the layer's output
 share, K and V, one chunk's temporaries), and what the caches keep on the device: layer 0's packed codes, the
 sparse layers' sink and tail slots, the scheduler's buffers (the selection's) and, with `--select sketch` or
@@ -18,13 +19,14 @@ from dataclasses import dataclass, replace
 
 from tailorkv.engine.settings import MethodSettings
 
-PLANNED_SKETCH_BITS = (2, 1)  # 4 bits only when asked for: twice the memory and scored bytes of 2, speed unmeasured
+PLANNED_SKETCH_BITS = (2, 1)  # 4 bits only when asked for: twice the memory and scored bytes of 2, and slower
+#                               (128k on the H200: 6.55 against 6.42 ms/token, fourteenth session)
 GIB = 2 ** 30
 # Kept free beyond the estimate for the caching allocator's rounding and fragmentation: on the H200 a run whose
 # estimate was 19.6 GiB (Llama-3.1-8B shape, 128k, --select sketch-ahead at 1 bit) ran out of memory under a
 # 20.0 GiB cap (bench/results/2026-11-30-h200-eighth-session; the prefill then still held ~1 GiB of K/V chunks
 # reserved for the copy stream beyond its allocated peak, bench/results/2026-11-30-h200-ninth-session). A 2-bit
-# plan estimated at 19.3 GiB has since run under that cap, with a 19.25 GiB peak.
+# plan estimated at 19.3 GiB has since run under that cap, with a 19.25 GiB peak (the table then on the device).
 HEADROOM = GIB // 2
 
 

@@ -14,12 +14,16 @@ TKV = MethodSettings(method="tailorkv", bits=1)
 
 
 def test_estimate_matches_the_measured_peak_at_128k():
-    # MEASURED_PENDING: tailorkv at 131046 prompt tokens, the embedding table in pinned host memory
-    e = estimate(LLAMA8B, replace(TKV, select="sketch-ahead", sketch_bits=2), NAMES, 131046)
-    assert abs(e.total / GIB - 18.38) < 0.2 and abs(e.sketch / GIB - 1.21) < 0.01
-    assert abs(estimate(LLAMA8B, TKV, NAMES, 131046).total / GIB - 17.23) < 0.2
+    # bench/results/2026-12-01-h200-fourteenth-session: tailorkv --select sketch-ahead at 131036 prompt tokens, the
+    # embedding table in pinned host memory: peak with prefill 18.39 GiB (2 bits) and 19.36 GiB (4 bits). The
+    # paper's channels: 18.21 GiB with the table on the device (ninth session), less the table's 0.98 GiB.
+    e = estimate(LLAMA8B, replace(TKV, select="sketch-ahead", sketch_bits=2), NAMES, 131036)
+    assert abs(e.total / GIB - 18.39) < 0.2 and abs(e.sketch / GIB - 1.21) < 0.01
+    assert abs(estimate(LLAMA8B, replace(TKV, select="sketch-ahead", sketch_bits=4), NAMES, 131036).total / GIB
+               - 19.36) < 0.2
+    assert abs(estimate(LLAMA8B, TKV, NAMES, 131036).total / GIB - (18.21 - 0.98)) < 0.2
     assert abs(e.weights / 1e9 - 15.01) < 0.01          # 8.03e9 parameters less the 0.53e9 of the host table, bf16
-    assert estimate(LLAMA8B, TKV, NAMES, 131046).sketch == 0
+    assert estimate(LLAMA8B, TKV, NAMES, 131036).sketch == 0
 
 
 def test_sketch_bytes_are_the_key_sketch_buffers():
