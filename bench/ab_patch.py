@@ -9,7 +9,7 @@ refresh-unroll-N (the row cache kernel's block size and reads in flight per thre
 kernel's grid sized for N blocks per SM, 4 by default); predict-after-qkv (the next layer's prediction queued
 after the qkv projection); sketch-after-qkv (only its sketch, top-K and gather queued after it);
 select-priority-0 (the select stream at normal priority); embed-device (an untied embedding table kept on the
-device, not in pinned host memory); several joined by "+"."""
+device, not in pinned host memory); ahead-N (queries predicted N layers ahead, predict_ahead); several joined by "+"."""
 from __future__ import annotations
 
 import importlib
@@ -54,6 +54,13 @@ def patch_one(variant: str) -> None:
             if self._select is not None:
                 self._select = torch.cuda.Stream(self.device, priority=0)
         scheduler.Scheduler.__init__ = normal_select
+    elif variant.startswith("ahead-"):
+        from tailorkv.engine.cache import ModelCache
+        init, n = ModelCache.__init__, int(variant.split("-")[1])
+
+        def ahead(self, *args, **kwargs):
+            init(self, *args, **{**kwargs, "predict_ahead": n})
+        ModelCache.__init__ = ahead
     elif variant == "embed-device":
         from tailorkv.models import loader
         loader.HOST_EMBEDDINGS = False

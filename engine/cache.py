@@ -112,7 +112,7 @@ class ModelCache:
     engine.methods.build_cache."""
 
     def __init__(self, layers: list[LayerCache], query_fn: QueryFn | None = None, method: str = "full",
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None, predict_ahead: int = 1):
         self.layers = layers
         self.query_fn = query_fn
         self.method = method
@@ -122,7 +122,12 @@ class ModelCache:
         for layer in layers:
             layer.scheduler = self.scheduler
         self.on_layer = None  # optional progress callback (layer_idx, n_layers) during multi-token steps
-        self._predicted = None  # (layer, its predicted query) between layer_input and attend
+        # layer j's query is predicted from layer j - predict_ahead's input (layers 1 .. predict_ahead: from
+        # layer 0's); the scheduler then keeps predict_ahead + 1 buffer sets, so that what a prediction fetches
+        # for layer j never lands in the set that layer j - predict_ahead still reads
+        self.predict_ahead = predict_ahead
+        self.scheduler.sets = max(self.scheduler.sets, predict_ahead + 1)
+        self._predicted = []  # (source layer, layer, its predicted query) between layer_input and attend
 
     @property
     def max_len(self) -> int:
@@ -137,7 +142,7 @@ class ModelCache:
         """The step of n new tokens after what the cache holds; every policy plans it. positions (and lengths,
         positions + 1): device buffers the caller already filled (a CUDA graph's static inputs)."""
         start, end = self.length, self.length + n
-        self._predicted = None
+        self._predicted = []
         if end > self.max_len:
             raise ContextFull(end, self.max_len)
         device = self.layers[0].spec.device
@@ -151,27 +156,29 @@ class ModelCache:
         return Step(start, n, positions, bucket, key, lengths)
 
     def layer_input(self, i: int, x: torch.Tensor, step: Step) -> None:
-        """Called by the model with layer i's normalized input, before its attention. During decode layer i+1
-        predicts its query from this input (TailorKV's one-layer-early prediction). A layer whose fetch is small
+        """Called by the model with layer i's normalized input, before its attention. During decode layer
+        i + predict_ahead predicts its query from this input (TailorKV's one-layer-early prediction: 1; layers 1 ..
+        predict_ahead from layer 0's). A layer whose fetch is small
         (`prefetch_after_attention`) receives it once layer i's attention is queued (attend), so what it fetches
         shares the PCIe link with the MLP rather than with layer i's own reads of host rows; a larger fetch
         starts at once, to have the whole layer to run in."""
         if self.on_layer is not None and not step.decode:
             self.on_layer(i, len(self.layers))
-        nxt = i + 1
-        if step.decode and nxt < len(self.layers) and self.layers[nxt].wants_query_prediction:
-            q_hat = self.query_fn(nxt, x, step.positions)
-            if self.layers[nxt].prefetch_after_attention:
-                self._predicted = (nxt, q_hat)
-            else:
-                self.layers[nxt].predict_query(q_hat)
+        if not step.decode:
+            return
+        for nxt in (range(1, self.predict_ahead + 1) if i == 0 else (i + self.predict_ahead,)):
+            if nxt < len(self.layers) and self.layers[nxt].wants_query_prediction:
+                q_hat = self.query_fn(nxt, x, step.positions)
+                if self.layers[nxt].prefetch_after_attention:
+                    self._predicted.append((i, nxt, q_hat))
+                else:
+                    self.layers[nxt].predict_query(q_hat)
 
     def attend(self, i: int, q, k, v, step: Step):
         out = self.layers[i].run(q, k, v, step)
-        if self._predicted is not None and self._predicted[0] == i + 1:
-            nxt, q_hat = self._predicted
-            self._predicted = None
+        for src, nxt, q_hat in [p for p in self._predicted if p[0] == i]:
             self.layers[nxt].predict_query(q_hat)
+        self._predicted = [p for p in self._predicted if p[0] != i]
         return out
 
     def finish(self, step: Step) -> None:

@@ -72,8 +72,8 @@ def quant_layer_bytes(cfg, ctx: int, bits: int, group: int, batch: int, dtype_by
 
 
 def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtype_bytes: int) -> int:
-    """A sparse layer's sink and tail slots and max|K|, and its share of the scheduler's buffers (two sets
-    alternating by layer, each for the largest step: the paper's K^T rows of r channels and fp32 scores over the
+    """A sparse layer's sink and tail slots and max|K|, and its share of the scheduler's buffers (predict_ahead + 1
+    sets, by layer, each for the largest step: the paper's K^T rows of r channels and fp32 scores over the
     middle; sketch-ahead's top-K positions and gathered K/V rows, or with its row caches the positions only; the
     synchronous sketch has none) and sketch-ahead's row cache if on."""
     from tailorkv.engine.policies.row_cache import RowCache
@@ -93,7 +93,7 @@ def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtyp
     else:
         r = min(settings.channels, hd)
         buffers = max(0, ctx - settings.sink) * (r * dtype_bytes + 4) + 8 * r  # + the r channel indices
-    return batch * kv * slots + rows + 2 * batch * kv * buffers // max(1, cfg.n_layers)
+    return batch * kv * slots + rows + (settings.predict_ahead + 1) * batch * kv * buffers // max(1, cfg.n_layers)
 
 
 @dataclass

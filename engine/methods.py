@@ -118,4 +118,4 @@ def build_cache(loaded, settings: MethodSettings, max_len: int, batch: int = 1,
         cls = policy_class(name)
         layers.append(cls(spec, settings))
     return ModelCache(layers, query_fn=model.project_query, method=settings.method,
-                      scheduler=Scheduler(torch.device(device), overlap=overlap))
+                      scheduler=Scheduler(torch.device(device), overlap=overlap), predict_ahead=settings.predict_ahead)

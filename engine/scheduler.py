@@ -35,6 +35,7 @@ class Scheduler:
         self._copy = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY) if self.overlap else None
         self._select = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY) if self.overlap else None
         self._events: dict[str, torch.cuda.Event] = {}
+        self.sets = 2  # buffer sets, alternating by layer (ModelCache raises it for predictions further ahead)
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._staging: dict[tuple[str, int, int], torch.Tensor] = {}
         self._staging_turns: dict[str, int] = {}
@@ -103,10 +104,10 @@ class Scheduler:
         return out, event
 
     def buffer(self, name: str, layer_idx: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Buffer set layer_idx % 2 of `name`: the same memory for every layer of that parity, so one layer's
-        data may be filled while the layer before it still reads the other set. The first request allocates
-        it (outside any captured step); later requests must fit in it."""
-        key = (name, layer_idx % 2)
+        """Buffer set layer_idx % sets of `name`: the same memory for every such layer, so one layer's data may
+        be filled while the layers before it still read the other sets. The first request allocates it (outside
+        any captured step); later requests must fit in it."""
+        key = (name, layer_idx % self.sets)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = torch.empty(math.prod(shape), dtype=dtype, device=self.device)

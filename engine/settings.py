@@ -51,6 +51,8 @@ class MethodSettings:
     own_query_below: float = 0.5  # sparse layers whose profiled q-hat cosine (one-layer-early prediction) is below
     #                               this select from their own query, without the prefetch; 0 = never
     own_query_layers: list[int] | None = None  # None: from the profile and own_query_below (build_cache)
+    predict_ahead: int = 1   # a sparse layer's query predicted from the input of the layer this many before it
+    #                          (the paper's: 1); more gives its selection and fetch more layers to run under
     page: int = 16           # quest page size
     snap_window: int = 32    # snapkv observation window (last prompt queries)
     snap_pool: int = 7       # snapkv pooling kernel
@@ -96,6 +98,8 @@ class MethodSettings:
             raise ValueError(f"--channel-rule {self.channel_rule}: use {', '.join(CHANNEL_RULES)}")
         if not 0.0 <= self.own_query_below <= 1.0:
             raise ValueError(f"--own-query-below must be a cosine in [0, 1] (0 = never), got {self.own_query_below}")
+        if self.predict_ahead < 1:
+            raise ValueError(f"predict_ahead must be at least 1 (the layer before), got {self.predict_ahead}")
         if self.dense_layers is not None and any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
             raise ValueError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
 
