@@ -6,7 +6,7 @@ Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row w
 no-gather (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N
 (the short-row gather's blocks, threads per block, reads in flight per thread); refresh-threads-N,
 refresh-unroll-N (the row cache kernel's block size and reads in flight per thread); sketch-bps-N (the sketch
-kernel's grid sized for N blocks per SM, 4 by default); predict-after-qkv (the next layer's prediction queued
+kernel's grid ahead of its layer sized for N blocks per SM, SketchSelector.AHEAD_BLOCKS_PER_SM); predict-after-qkv (the next layer's prediction queued
 after the qkv projection); sketch-after-qkv (only its sketch, top-K and gather queued after it);
 select-priority-0 (the select stream at normal priority); embed-device (an untied embedding table kept on the
 device, not in pinned host memory); ahead-N (queries predicted N layers ahead, predict_ahead); several joined by "+"."""
@@ -73,9 +73,7 @@ def patch_one(variant: str) -> None:
         module, names = KERNEL_KNOBS[kernel]
         setattr(importlib.import_module(f"tailorkv.ops.{module}"), names[knob], int(value))
     elif variant.startswith("sketch-bps-"):
-        from tailorkv.ops import sketch_scores_cuda
-        per_sm, sized = int(variant.rsplit("-", 1)[1]), sketch_scores_cuda.units_per_block
-        sketch_scores_cuda.units_per_block = lambda units, warps, device: sized(units, warps, device, per_sm)
+        sketch.SketchSelector.AHEAD_BLOCKS_PER_SM = float(variant.rsplit("-", 1)[1])
     elif variant != "none":
         raise SystemExit(f"unknown variant {variant!r}")
 

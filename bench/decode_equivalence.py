@@ -65,6 +65,7 @@ def main():
     ap.add_argument("--bits", type=int, default=1)
     ap.add_argument("--select", default="channels", help="tailorkv's token selection: channels or sketch")
     ap.add_argument("--sketch-bits", type=int, default=2)
+    ap.add_argument("--predict-ahead", type=int, default=1)
     ap.add_argument("--paths", default="graph+overlap", help="compared with --reference: " + ",".join(PATHS))
     ap.add_argument("--reference", default="eager+sync", choices=list(PATHS))
     ap.add_argument("--reference-kernels-off", default="", help="comma-separated op names (e.g. linear,store_kv)")
@@ -78,7 +79,8 @@ def main():
     rows = []
     for method in args.methods.split(","):
         s = MethodSettings(method=method, bits=args.bits,
-                           **({"select": args.select, "sketch_bits": args.sketch_bits} if method == "tailorkv" else {}))
+                           **({"select": args.select, "sketch_bits": args.sketch_bits,
+                               "predict_ahead": args.predict_ahead} if method == "tailorkv" else {}))
         with kernels_off(args.reference_kernels_off):
             ref, ref_logits = greedy(loaded, s, prompt, args.steps, args.ctx, *PATHS[args.reference])
         reference = args.reference + (f" (kernels off: {args.reference_kernels_off})"
@@ -94,7 +96,7 @@ def main():
             first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
             first_logit = next((i for i, d in enumerate(diff.tolist()) if d > 0), None)
             rows.append({"model": loaded.name, "method": method, "select": s.select, "sketch_bits": s.sketch_bits,
-                         "path": path, "ctx": args.ctx,
+                         "predict_ahead": s.predict_ahead, "path": path, "ctx": args.ctx,
                          "steps": args.steps, "equal": ref == got, "first_difference": first,
                          "tokens": len(ref), "first_logit_difference": first_logit,
                          "max_logit_difference": diff.max().item(), "reference": reference,

@@ -56,6 +56,10 @@ def method_options(fn):
         click.option("--sketch-bits", type=click.Choice([str(b) for b in SKETCH_BITS]), default=str(d.sketch_bits),
                      show_default=True,
                      help=f"bits of the key sketch ({_users('sketch_bits')})"),
+        click.option("--predict-ahead", type=int, default=d.predict_ahead, show_default=True,
+                     help="a sparse layer's query predicted from the input of the layer this many before it (1: the "
+                          "paper's one layer early; more gives its selection and fetch more layers to run under) "
+                          f"({_users('predict_ahead')})"),
         click.option("--select-rule", type=click.Choice(SELECT_RULES), default=d.select_rule, show_default=True,
                      help="top-K tokens of a KV head from its query heads' scores: summed logits (paper), "
                           f"logsumexp of logits (lse), summed probabilities (psum) ({_users('select_rule')})"),
@@ -71,8 +75,8 @@ def method_options(fn):
     return fn
 
 
-KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "select", "sketch_bits", "select_rule",
-         "channel_rule", "own_query_below")
+KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "select", "sketch_bits", "predict_ahead",
+         "select_rule", "channel_rule", "own_query_below")
 
 
 def given_knobs(ctx: click.Context) -> list[str]:
@@ -98,7 +102,7 @@ def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
 
 
 def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select="channels", sketch_bits=2,
-                  select_rule=None, channel_rule=None, own_query_below=None):
+                  select_rule=None, channel_rule=None, own_query_below=None, predict_ahead=1):
     from tailorkv.engine.settings import MethodSettings
     ql = None
     if quant_layers is not None:
@@ -110,7 +114,7 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
                                ("own_query_below", own_query_below)) if v is not None}
     s = MethodSettings(method=method, bits=None if bits is None else int(bits), budget=budget, sink=sink,
                        recent=recent, channels=channels, quant_layers=ql, select=select,
-                       sketch_bits=int(sketch_bits), **rules)
+                       sketch_bits=int(sketch_bits), predict_ahead=predict_ahead, **rules)
     try:
         s.validate()
     except ValueError as e:

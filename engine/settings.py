@@ -20,6 +20,7 @@ KNOB_USERS = {
     "quant_layers": ("tailorkv",),
     "select": ("tailorkv",),
     "sketch_bits": ("tailorkv",),
+    "predict_ahead": ("tailorkv",),
     "select_rule": ("tailorkv",),
     "channel_rule": ("tailorkv",),
     "own_query_below": ("tailorkv",),
@@ -99,7 +100,7 @@ class MethodSettings:
         if not 0.0 <= self.own_query_below <= 1.0:
             raise ValueError(f"--own-query-below must be a cosine in [0, 1] (0 = never), got {self.own_query_below}")
         if self.predict_ahead < 1:
-            raise ValueError(f"predict_ahead must be at least 1 (the layer before), got {self.predict_ahead}")
+            raise ValueError(f"--predict-ahead must be at least 1 (the layer before), got {self.predict_ahead}")
         if self.dense_layers is not None and any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
             raise ValueError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
 

@@ -43,11 +43,12 @@ def launch(kernel, grid, block, args, device: torch.device, shared_mem: int = 0)
         kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=stream)
 
 
-def units_per_block(units: int, warps: int, device: torch.device, blocks_per_sm: int = 4) -> int:
+def units_per_block(units: int, warps: int, device: torch.device, blocks_per_sm: float = 4) -> int:
     """Work units (a multiple of `warps`) per block so that the grid is about one wave of `blocks_per_sm`
-    blocks on every multiprocessor: all blocks resident at once, no tail wave."""
+    blocks per multiprocessor (below 1: on that share of them): all blocks resident at once, no tail wave."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return warps * max(1, -(-units // (warps * sms * blocks_per_sm)))
+    blocks = max(1, round(sms * blocks_per_sm))
+    return warps * max(1, -(-units // (warps * blocks)))
 
 
 def ptr(t: torch.Tensor) -> np.uint64:

@@ -283,14 +283,15 @@ def load(reference):
     compile_module(source(2, 128, 4, torch.bfloat16, 2)).get_function("sketch_scores_kernel")  # fail early
     kernels = {}
 
-    def sketch_scores(q, k_codes, k_scale, k_min, bits, group, end, offset=0, rule="lse", sm_scale=1.0, carry=None):
+    def sketch_scores(q, k_codes, k_scale, k_min, bits, group, end, offset=0, rule="lse", sm_scale=1.0, carry=None,
+                      blocks_per_sm=4):
         """The kernel for 1/2/4 bits, group 64, head_dim 64/128, up to 8 query heads per KV head, rule sum or
         lse, a one-element int64 `end` on q's device, code/scale/min rows contiguous with 16-byte aligned
         heads; else the torch reference. A carry (ops/topk_carry.py, of B * Hkv rows on q's device) gets the
         tokens at or above its thresholds listed."""
         if (rule not in RULES or not supported(q, k_codes, k_scale, k_min, bits, group)
                 or end.numel() != 1 or end.dtype != torch.int64 or end.device != q.device):
-            return reference(q, k_codes, k_scale, k_min, bits, group, end, offset, rule, sm_scale, carry)
+            return reference(q, k_codes, k_scale, k_min, bits, group, end, offset, rule, sm_scale, carry, blocks_per_sm)
         B, Hq, _, D = q.shape
         Hkv, N = k_codes.shape[1], k_codes.shape[2]
         out = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
@@ -303,7 +304,7 @@ def load(reference):
         listing = ((ptr(c.count), ptr(c.index), ptr(c.score), ptr(c.threshold), ptr(c.qnorm), np.int32(c.cap))
                    if c is not None else (np.uint64(0),) * 5 + (np.int32(0),))
         ngroups = -(-N // GROUP)
-        gpb = units_per_block(ngroups * B * Hkv, WARPS, q.device)
+        gpb = units_per_block(ngroups * B * Hkv, WARPS, q.device, blocks_per_sm)
         launch(kernels[key], (-(-ngroups // gpb), B * Hkv), (WARPS * 32,),
                (ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
                 ptr(k_codes), np.int64(k_codes.stride(0)), np.int64(k_codes.stride(1)),

@@ -160,6 +160,8 @@ def test_sketch_scores_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype, ru
             bound = sketch_rounding_bound(*args[:4], bits, end, offset, rule, sm)
             assert ((got.double() - want.double()).abs() <= bound)[fin].all(), "beyond the fp16 weights' rounding"
             assert rel_err(got[fin], sketch_mirror(*args[:4], bits, end, offset, rule, sm)[fin]) < 1e-5
+        for grid in (1, 0.5):  # sketch-ahead's narrower grids: each group scored the same way, the same scores
+            assert torch.equal(kernel(*args, None, grid), got)
 
 
 AV_CASES = [  # (bits, B, Hq, Hkv, T, D, probs dtype)

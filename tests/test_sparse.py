@@ -239,12 +239,17 @@ def tiny_model(n_layers=3):
     return cfg, _random_model(cfg, torch.device("cpu"), torch.float32, seed=SEED % 1000)
 
 
-def test_prediction_uses_next_layers_weights(gen):
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_prediction_uses_next_layers_weights(gen, ahead):
+    """Layer l's query is predicted with its own q weights from the input of layer l - predict_ahead (layers 1 ..
+    predict_ahead from layer 0's), and the scheduler keeps predict_ahead + 1 buffer sets."""
     from tailorkv.engine.methods import build_cache
     from tailorkv.models.loader import LoadedModel
     cfg, model = tiny_model()
-    st = MethodSettings(method="tailorkv", quant_layers=[0], sink=2, recent=4, budget=10, channels=4)
+    st = MethodSettings(method="tailorkv", quant_layers=[0], sink=2, recent=4, budget=10, channels=4,
+                        predict_ahead=ahead)
     cache = build_cache(LoadedModel(model, None, cfg, "tiny", "random"), st, max_len=64)
+    assert cache.scheduler.sets == ahead + 1
     runner = Runner(model, cache, use_cuda_graph=False)
     recorded, inputs = {}, {}
     for i, layer in enumerate(cache.layers):
@@ -261,7 +266,8 @@ def test_prediction_uses_next_layers_weights(gen):
     layers = model.model.layers
 
     def by_hand(proj_layer, l):
-        x = layers[l - 1].input_layernorm(inputs[l - 1])
+        src = max(0, l - ahead)
+        x = layers[src].input_layernorm(inputs[src])
         w_q = layers[proj_layer].self_attn.qkv_proj.weight[:4 * 32]  # q_proj's rows of the stacked weight
         q = (x @ w_q.T).view(1, 1, 4, 32).transpose(1, 2)
         return model.rope(q.clone(), None, torch.tensor([P]))[0]

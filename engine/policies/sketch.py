@@ -79,13 +79,16 @@ class KeySketch:
         rem = t % g
         self.pending = x[:, :, t - rem:t].clone() if rem else None
 
-    def scores(self, q: torch.Tensor, n: int, end: torch.Tensor, offset: int, rule: str) -> torch.Tensor:
+    def scores(self, q: torch.Tensor, n: int, end: torch.Tensor, offset: int, rule: str,
+               blocks_per_sm: float = 4) -> torch.Tensor:
         """q [B, Hq, 1, D] -> [B, Hkv, n] fp32: the scaled logits over the first n sketched positions (n a
         multiple of the group), -inf from absolute position `end` on (positions past self.n hold stale or
-        padded data), the group's heads combined by `rule`; position i of the sketch is absolute offset + i."""
+        padded data), the group's heads combined by `rule`; position i of the sketch is absolute offset + i.
+        blocks_per_sm: the kernel's grid."""
         g = self.group
         return sketch_scores(q, self.codes[:, :, :n], self.scale[:, :, :n // g], self.min[:, :, :n // g],
-                             self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]), carry=self.carry)
+                             self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]), carry=self.carry,
+                             blocks_per_sm=blocks_per_sm)
 
     def device_bytes(self) -> int:
         carry = self.carry.device_bytes() if self.carry is not None else 0
@@ -108,6 +111,10 @@ class SketchSelector(TokenSelector):
     # rows, and the row cache cost 6.49 -> 6.69-6.97 ms/token; real weights share far more (SmolLM2-135M at 8k on
     # the H200: 81%, PCIe 19.0 -> 3.6 MiB/token), not yet timed on a real 8B.
     REUSE_ROWS = False
+    # the sketch kernel's grid when it runs ahead on the select stream: one block per SM leaves room on every SM
+    # for the compute stream's GEMVs (4, a full wave, is for a sketch inside the step). With the queries predicted
+    # 2 / 4 layers ahead, on the H200 at 128k: 6.38 -> 6.10 / 6.36 -> 6.00 ms/token (fourteenth session)
+    AHEAD_BLOCKS_PER_SM = 1
 
     def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0):
         self.rule, self.ahead = rule, ahead
@@ -148,7 +155,7 @@ class SketchSelector(TokenSelector):
             return
         picked = event + ":picked"
         with layer.scheduler.select_stream(picked):
-            pos = self._pick(layer, q_sel, out=layer.buffer("positions"))
+            pos = self._pick(layer, q_sel, out=layer.buffer("positions"), grid=self.AHEAD_BLOCKS_PER_SM)
         with layer.scheduler.copy_stream(event, after=(picked,)):
             self._gather(layer, pos)
 
@@ -174,8 +181,8 @@ class SketchSelector(TokenSelector):
         D = layer.spec.head_dim
         return r[..., :D], r[..., D:]
 
-    def _pick(self, layer, q, out=None):
+    def _pick(self, layer, q, out=None, grid: float = 4):
         """Absolute positions [B, Hkv, K] of the top-K middle tokens by q's scores over the sketch (into out)."""
         lo, n = layer.sink, layer.middle_bucket
-        scores = layer.sketch.scores(q, n, layer.tail_start_dev, lo, self.rule)
+        scores = layer.sketch.scores(q, n, layer.tail_start_dev, lo, self.rule, grid)
         return topk_tokens(scores, layer.topk, lo, out, carry=layer.sketch.carry)
