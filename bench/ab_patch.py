@@ -6,10 +6,11 @@ Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row w
 no-gather (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N
 (the short-row gather's blocks, threads per block, reads in flight per thread); refresh-threads-N,
 refresh-unroll-N (the row cache kernel's block size and reads in flight per thread); sketch-bps-N (the sketch
-kernel's grid ahead of its layer sized for N blocks per SM, SketchSelector.AHEAD_BLOCKS_PER_SM); predict-after-qkv (the next layer's prediction queued
+kernel's grid ahead of its layer sized for N blocks per SM under --predict-ahead 2 or more,
+SketchSelector.AHEAD_BLOCKS_PER_SM); predict-after-qkv (the next layer's prediction queued
 after the qkv projection); sketch-after-qkv (only its sketch, top-K and gather queued after it);
 select-priority-0 (the select stream at normal priority); embed-device (an untied embedding table kept on the
-device, not in pinned host memory); ahead-N (queries predicted N layers ahead, predict_ahead); several joined by "+"."""
+device, not in pinned host memory); several joined by "+". (Queries predicted N layers ahead: --predict-ahead N.)"""
 from __future__ import annotations
 
 import importlib
@@ -54,13 +55,6 @@ def patch_one(variant: str) -> None:
             if self._select is not None:
                 self._select = torch.cuda.Stream(self.device, priority=0)
         scheduler.Scheduler.__init__ = normal_select
-    elif variant.startswith("ahead-"):
-        from tailorkv.engine.cache import ModelCache
-        init, n = ModelCache.__init__, int(variant.split("-")[1])
-
-        def ahead(self, *args, **kwargs):
-            init(self, *args, **{**kwargs, "predict_ahead": n})
-        ModelCache.__init__ = ahead
     elif variant == "embed-device":
         from tailorkv.models import loader
         loader.HOST_EMBEDDINGS = False
@@ -73,7 +67,7 @@ def patch_one(variant: str) -> None:
         module, names = KERNEL_KNOBS[kernel]
         setattr(importlib.import_module(f"tailorkv.ops.{module}"), names[knob], int(value))
     elif variant.startswith("sketch-bps-"):
-        sketch.SketchSelector.AHEAD_BLOCKS_PER_SM = float(variant.rsplit("-", 1)[1])
+        sketch.SketchSelector.AHEAD_BLOCKS_PER_SM = float(variant.rsplit("-", 1)[1])  # read when the layers are built
     elif variant != "none":
         raise SystemExit(f"unknown variant {variant!r}")
 

@@ -360,6 +360,26 @@ def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(
     assert torch.equal(rows_v, lay.host_v.gather(2, seen[-1][..., None].expand(-1, -1, -1, D2)))
 
 
+@pytest.mark.parametrize("ahead", [1, 2, 4])
+def test_sketch_ahead_narrows_the_sketch_grid_only_when_predicted_two_or_more_layers_early(gen, ahead, monkeypatch):
+    """--predict-ahead 2+: the sketch kernel ahead of its layer runs on AHEAD_BLOCKS_PER_SM blocks per SM (room for
+    the compute stream; measured faster then, slower one layer ahead); a layer that selects from its own query
+    inside the step keeps the full wave."""
+    from tailorkv.engine.policies.sketch import KeySketch
+    grids = []
+    scores = KeySketch.scores
+    monkeypatch.setattr(KeySketch, "scores", lambda self, *a: grids.append(a[-1]) or scores(self, *a))
+    spec = spec_of(6, 2, 32, 1, max_len=600)
+    lay = One(SparseOffloadCache(spec, settings(budget=64, sink=8, recent=16, select="sketch-ahead",
+                                                predict_ahead=ahead)))
+    q, K, V = qkv(gen, 1, 6, 2, 300, 32)
+    lay.attend(q, K, V, 0)
+    q1, k1, v1 = qkv(gen, 1, 6, 2, 1, 32)
+    lay.attend(q1, k1, v1, 300, q_hat=q1)   # predicted: ahead of the layer
+    lay.attend(q1, k1, v1, 301)             # no prediction: inside the step
+    assert grids == [SketchSelector.AHEAD_BLOCKS_PER_SM if ahead > 1 else 4, 4]
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_sketch_takes_a_partial_last_group(gen, bits):
     """A prompt whose middle is not whole 64-token groups: the tail keeps exactly `recent` tokens (as on the

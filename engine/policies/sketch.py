@@ -111,13 +111,20 @@ class SketchSelector(TokenSelector):
     # rows, and the row cache cost 6.49 -> 6.69-6.97 ms/token; real weights share far more (SmolLM2-135M at 8k on
     # the H200: 81%, PCIe 19.0 -> 3.6 MiB/token), not yet timed on a real 8B.
     REUSE_ROWS = False
-    # the sketch kernel's grid when it runs ahead on the select stream: one block per SM leaves room on every SM
-    # for the compute stream's GEMVs (4, a full wave, is for a sketch inside the step). With the queries predicted
-    # 2 / 4 layers ahead, on the H200 at 128k: 6.38 -> 6.10 / 6.36 -> 6.00 ms/token (fourteenth session)
+    # the sketch kernel's grid ahead of its layer when the query is predicted 2+ layers early (--predict-ahead):
+    # one block per SM leaves room on every SM for the compute stream's GEMVs, and the longer kernel has layers to
+    # hide in. On the H200 at 128k (2 bits): 2 layers ahead 6.38 -> 6.10-6.12 ms/token, 4 ahead 6.00-6.04 (half a
+    # block per SM: 6.71); 1 layer ahead it is slower, 6.43 -> 6.84, so that keeps the full wave of 4 per SM
+    # (bench/results/2026-12-01-h200-fourteenth-session)
     AHEAD_BLOCKS_PER_SM = 1
 
-    def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0):
-        self.rule, self.ahead = rule, ahead
+    @classmethod
+    def of(cls, settings, spec, topk: int) -> "SketchSelector":
+        grid = cls.AHEAD_BLOCKS_PER_SM if settings.predict_ahead > 1 else 4
+        return cls(settings.combine_rule, settings.select == "sketch-ahead", spec, topk, grid)
+
+    def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0, ahead_grid: float = 4):
+        self.rule, self.ahead, self.ahead_grid = rule, ahead, ahead_grid
         use = ahead and self.REUSE_ROWS and spec is not None and topk > 0
         self.row_cache = RowCache(spec, topk) if use else None
 
@@ -155,7 +162,7 @@ class SketchSelector(TokenSelector):
             return
         picked = event + ":picked"
         with layer.scheduler.select_stream(picked):
-            pos = self._pick(layer, q_sel, out=layer.buffer("positions"), grid=self.AHEAD_BLOCKS_PER_SM)
+            pos = self._pick(layer, q_sel, out=layer.buffer("positions"), grid=self.ahead_grid)
         with layer.scheduler.copy_stream(event, after=(picked,)):
             self._gather(layer, pos)
 

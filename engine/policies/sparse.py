@@ -64,7 +64,7 @@ class SparseOffloadCache(LayerCache):
         self.sketch = None
         if settings.sketched:
             self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink, self.topk)
-            self.selector = SketchSelector(settings.combine_rule, settings.select == "sketch-ahead", spec, self.topk)
+            self.selector = SketchSelector.of(settings, spec, self.topk)
         else:
             self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
