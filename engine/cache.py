@@ -122,9 +122,9 @@ class ModelCache:
         for layer in layers:
             layer.scheduler = self.scheduler
         self.on_layer = None  # optional progress callback (layer_idx, n_layers) during multi-token steps
-        # layer j's query is predicted from layer j - predict_ahead's input (layers 1 .. predict_ahead: from
-        # layer 0's); the scheduler then keeps predict_ahead + 1 buffer sets, so that what a prediction fetches
-        # for layer j never lands in the set that layer j - predict_ahead still reads
+        # layer j's query is predicted from layer j - predict_ahead's input (layer_input says which layers differ);
+        # the scheduler then keeps predict_ahead + 1 buffer sets, so that what a prediction fetches for layer j never
+        # lands in the set of layer j - predict_ahead - 1, whose reads are queued before the prediction is made
         self.predict_ahead = predict_ahead
         self.scheduler.sets = max(self.scheduler.sets, predict_ahead + 1)
         self._predicted = []  # (source layer, layer, its predicted query) between layer_input and attend
@@ -157,8 +157,8 @@ class ModelCache:
 
     def layer_input(self, i: int, x: torch.Tensor, step: Step) -> None:
         """Called by the model with layer i's normalized input, before its attention. During decode layer
-        i + predict_ahead predicts its query from this input (TailorKV's one-layer-early prediction: 1; layers 1 ..
-        predict_ahead from layer 0's). A layer whose fetch is small
+        i + predict_ahead predicts its query from this input (TailorKV's one-layer-early prediction: 1). A layer
+        whose fetch is small
         (`prefetch_after_attention`) receives it once layer i's attention is queued (attend), so what it fetches
         shares the PCIe link with the MLP rather than with layer i's own reads of host rows; a larger fetch
         starts at once, to have the whole layer to run in."""
@@ -166,7 +166,9 @@ class ModelCache:
             self.on_layer(i, len(self.layers))
         if not step.decode:
             return
-        for nxt in (range(1, self.predict_ahead + 1) if i == 0 else (i + self.predict_ahead,)):
+        # layer 1 from layer 0's input (the embeddings' are a poor prediction further on), layers 2 .. predict_ahead
+        # + 1 from layer 1's, the others from predict_ahead layers back
+        for nxt in ((1,) if i == 0 else range(2, self.predict_ahead + 2) if i == 1 else (i + self.predict_ahead,)):
             if nxt < len(self.layers) and self.layers[nxt].wants_query_prediction:
                 q_hat = self.query_fn(nxt, x, step.positions)
                 if self.layers[nxt].prefetch_after_attention:

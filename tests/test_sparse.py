@@ -239,13 +239,14 @@ def tiny_model(n_layers=3):
     return cfg, _random_model(cfg, torch.device("cpu"), torch.float32, seed=SEED % 1000)
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("ahead", [1, 2, 3])
 def test_prediction_uses_next_layers_weights(gen, ahead):
-    """Layer l's query is predicted with its own q weights from the input of layer l - predict_ahead (layers 1 ..
-    predict_ahead from layer 0's), and the scheduler keeps predict_ahead + 1 buffer sets."""
+    """Layer l's query is predicted with its own q weights from the input of layer l - predict_ahead (layer 1 from
+    layer 0's, layers 2 .. predict_ahead + 1 from layer 1's), and the scheduler keeps predict_ahead + 1 buffer
+    sets."""
     from tailorkv.engine.methods import build_cache
     from tailorkv.models.loader import LoadedModel
-    cfg, model = tiny_model()
+    cfg, model = tiny_model(n_layers=5)
     st = MethodSettings(method="tailorkv", quant_layers=[0], sink=2, recent=4, budget=10, channels=4,
                         predict_ahead=ahead)
     cache = build_cache(LoadedModel(model, None, cfg, "tiny", "random"), st, max_len=64)
@@ -262,11 +263,11 @@ def test_prediction_uses_next_layers_weights(gen, ahead):
     runner.prefill(torch.randint(0, 64, (1, P), generator=gen))
     assert recorded == {}  # no prediction during prefill
     runner.decode(torch.randint(0, 64, (1, 1), generator=gen))
-    assert set(recorded) == {i for i in range(1, 3) if cache.layers[i].wants_query_prediction} and recorded
+    assert set(recorded) == {i for i in range(1, 5) if cache.layers[i].wants_query_prediction} and recorded
     layers = model.model.layers
 
     def by_hand(proj_layer, l):
-        src = max(0, l - ahead)
+        src = l - ahead if l - ahead >= 1 else min(l - 1, 1)
         x = layers[src].input_layernorm(inputs[src])
         w_q = layers[proj_layer].self_attn.qkv_proj.weight[:4 * 32]  # q_proj's rows of the stacked weight
         q = (x @ w_q.T).view(1, 1, 4, 32).transpose(1, 2)
@@ -274,6 +275,9 @@ def test_prediction_uses_next_layers_weights(gen, ahead):
     for l, q_hat in recorded.items():
         assert rel_err(q_hat, by_hand(l, l)) < 1e-6
         assert rel_err(q_hat, by_hand(l - 1, l)) > 0.1
+        if l - ahead != (src := l - ahead if l - ahead >= 1 else min(l - 1, 1)) and src > 0:   # not layer 0's
+            x0 = layers[0].input_layernorm(inputs[0]) @ layers[l].self_attn.qkv_proj.weight[:4 * 32].T
+            assert rel_err(q_hat, model.rope(x0.view(1, 1, 4, 32).transpose(1, 2), None, torch.tensor([P]))[0]) > 0.1
 
 
 def test_all_sparse_big_budget_model_equals_full(gen):
