@@ -184,7 +184,16 @@ HOST_EMBEDDINGS = True
 
 
 def embeddings_on_host(cfg: ModelConfig, device) -> bool:
-    return HOST_EMBEDDINGS and not cfg.tie_embeddings and torch.device(device).type == "cuda"
+    """Whether the model's table goes to host memory on `device`: an untied one on a GPU whose row gather kernel
+    loads (its torch reference syncs, which a CUDA graph cannot hold); on a machine without a GPU, what a GPU run
+    would do (for the memory plan)."""
+    if not HOST_EMBEDDINGS or cfg.tie_embeddings or torch.device(device).type != "cuda":
+        return False
+    if not torch.cuda.is_available():
+        return True
+    from tailorkv.ops.dispatch import kernel_for
+    import tailorkv.ops.host_gather  # noqa: F401 - registers the kernel
+    return kernel_for("gather_rows", torch.empty(1, device=device)) is not None
 
 
 def _finish(model: Llama, device) -> Llama:

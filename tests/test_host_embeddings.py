@@ -54,3 +54,14 @@ def test_a_host_table_gives_the_device_tables_logits(untied, monkeypatch):
     assert torch.equal(on_host.model.embed(ids), on_device.model.embed(ids))
     for a, b in zip(_logits(on_host, ids), _logits(on_device, ids)):   # prefill, then graphed decode steps
         assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_without_the_row_gather_kernel_the_table_stays_on_the_device(untied, monkeypatch):
+    """The gather's torch reference syncs (no CUDA graph could hold it): with the kernel off, the table stays put
+    and the graphed decode runs as before."""
+    monkeypatch.setenv("TAILORKV_KERNELS_OFF", "gather_rows")
+    lm = load_model(untied, device="cuda", dtype=torch.bfloat16)
+    assert lm.model.model.embed_tokens.weight.is_cuda
+    ids = torch.randint(3, 300, (1, 216), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    assert len(_logits(lm, ids)) == 17
