@@ -159,9 +159,8 @@ class ModelCache:
         """Called by the model with layer i's normalized input, before its attention. During decode layer
         i + predict_ahead predicts its query from this input (TailorKV's one-layer-early prediction: 1). A layer
         whose fetch is small (`prefetch_after_attention`) receives it once layer i's attention is queued (attend), so
-        what it fetches
-        shares the PCIe link with the MLP rather than with layer i's own reads of host rows; a larger fetch
-        starts at once, to have the whole layer to run in."""
+        what it fetches shares the PCIe link with the MLP rather than with layer i's own reads of host rows; a larger
+        fetch starts at once, to have the whole layer to run in."""
         if self.on_layer is not None and not step.decode:
             self.on_layer(i, len(self.layers))
         if not step.decode:

@@ -284,7 +284,7 @@ def load(reference):
     kernels = {}
 
     def sketch_scores(q, k_codes, k_scale, k_min, bits, group, end, offset=0, rule="lse", sm_scale=1.0, carry=None,
-                      blocks_per_sm=4):
+                      blocks_per_sm=None):
         """The kernel for 1/2/4 bits, group 64, head_dim 64/128, up to 8 query heads per KV head, rule sum or
         lse, a one-element int64 `end` on q's device, code/scale/min rows contiguous with 16-byte aligned
         heads; else the torch reference. A carry (ops/topk_carry.py, of B * Hkv rows on q's device) gets the
@@ -304,7 +304,8 @@ def load(reference):
         listing = ((ptr(c.count), ptr(c.index), ptr(c.score), ptr(c.threshold), ptr(c.qnorm), np.int32(c.cap))
                    if c is not None else (np.uint64(0),) * 5 + (np.int32(0),))
         ngroups = -(-N // GROUP)
-        gpb = units_per_block(ngroups * B * Hkv, WARPS, q.device, blocks_per_sm)
+        grid = () if blocks_per_sm is None else (blocks_per_sm,)   # None: units_per_block's full wave
+        gpb = units_per_block(ngroups * B * Hkv, WARPS, q.device, *grid)
         launch(kernels[key], (-(-ngroups // gpb), B * Hkv), (WARPS * 32,),
                (ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
                 ptr(k_codes), np.int64(k_codes.stride(0)), np.int64(k_codes.stride(1)),

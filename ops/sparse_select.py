@@ -120,12 +120,14 @@ def combine_heads(scores: torch.Tensor, n_kv: int, rule: str = "lse", sm_scale: 
 @op("sketch_scores")
 def sketch_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_min: torch.Tensor, bits: int,
                   group: int, end: torch.Tensor, offset: int = 0, rule: str = "lse",
-                  sm_scale: float = 1.0, carry: TopKCarry | None = None, blocks_per_sm: float = 4) -> torch.Tensor:
+                  sm_scale: float = 1.0, carry: TopKCarry | None = None,
+                  blocks_per_sm: float | None = None) -> torch.Tensor:
     """q [B, Hq, 1, D] over a key sketch (ops/quant.py's quantize_sketch layout, N = k_codes.shape[2] tokens)
     -> [B, Hkv, N] fp32: the scaled logits sm_scale * q_h . dequant(K), -inf where n + offset >= end (a
     one-element int64 tensor), combined over each KV head's query heads by `rule` (combine_heads with sm_scale 1:
     the logits are scaled). `carry` (ops/topk_carry.py) only lets the kernel list tokens for topk_tokens'.
-    blocks_per_sm: the kernel's grid (fewer leave more of each SM to kernels on other streams); no effect here."""
+    blocks_per_sm: the kernel's grid (None: a full wave; fewer leave more of each SM to kernels on other streams);
+    no effect here."""
     B, Hkv, N = k_codes.shape[:3]
     qg = _grouped(q, Hkv) * sm_scale                                                  # [B, Hkv, G, D]
     logits = torch.empty(B, Hkv, qg.shape[2], N, dtype=torch.float32, device=q.device)

@@ -80,11 +80,11 @@ class KeySketch:
         self.pending = x[:, :, t - rem:t].clone() if rem else None
 
     def scores(self, q: torch.Tensor, n: int, end: torch.Tensor, offset: int, rule: str,
-               blocks_per_sm: float = 4) -> torch.Tensor:
+               blocks_per_sm: float | None = None) -> torch.Tensor:
         """q [B, Hq, 1, D] -> [B, Hkv, n] fp32: the scaled logits over the first n sketched positions (n a
         multiple of the group), -inf from absolute position `end` on (positions past self.n hold stale or
         padded data), the group's heads combined by `rule`; position i of the sketch is absolute offset + i.
-        blocks_per_sm: the kernel's grid."""
+        blocks_per_sm: the kernel's grid (None: its own full wave)."""
         g = self.group
         return sketch_scores(q, self.codes[:, :, :n], self.scale[:, :, :n // g], self.min[:, :, :n // g],
                              self.bits, g, end, offset, rule, softmax_scale(q.shape[-1]), carry=self.carry,
@@ -120,10 +120,11 @@ class SketchSelector(TokenSelector):
 
     @classmethod
     def of(cls, settings, spec, topk: int) -> "SketchSelector":
-        grid = cls.AHEAD_BLOCKS_PER_SM if settings.predict_ahead > 1 else 4
+        grid = cls.AHEAD_BLOCKS_PER_SM if settings.predict_ahead > 1 else None
         return cls(settings.combine_rule, settings.select == "sketch-ahead", spec, topk, grid)
 
-    def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0, ahead_grid: float = 4):
+    def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0,
+                 ahead_grid: float | None = None):
         self.rule, self.ahead, self.ahead_grid = rule, ahead, ahead_grid
         use = ahead and self.REUSE_ROWS and spec is not None and topk > 0
         self.row_cache = RowCache(spec, topk) if use else None
@@ -188,7 +189,7 @@ class SketchSelector(TokenSelector):
         D = layer.spec.head_dim
         return r[..., :D], r[..., D:]
 
-    def _pick(self, layer, q, out=None, grid: float = 4):
+    def _pick(self, layer, q, out=None, grid: float | None = None):
         """Absolute positions [B, Hkv, K] of the top-K middle tokens by q's scores over the sketch (into out)."""
         lo, n = layer.sink, layer.middle_bucket
         scores = layer.sketch.scores(q, n, layer.tail_start_dev, lo, self.rule, grid)
