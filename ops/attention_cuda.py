@@ -19,12 +19,11 @@ is deterministic.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
 
-from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr
+from tailorkv.ops.cuda_launch import aligned, compile_module, cu_source, launch, ptr
 from tailorkv.ops.quant_common_cuda import C_TYPES
 
 # warps: per block; keys_per_step: 16 or 32 keys a warp loads per step (G > 8 always takes 16: the second
@@ -34,7 +33,6 @@ from tailorkv.ops.quant_common_cuda import C_TYPES
 # load: "" for __ldg, else the cache qualifiers of an ld.global.nc.<load>.v4.u32 (one of LOADS).
 CONFIG = dict(warps=2, keys_per_step=32, blocks_per_sm=4, min_blocks=0, max_splits=512, load="")  # fastest of ATTEND_VARIANTS on the H200
 LOADS = ("", "L2::256B", "L1::no_allocate.L2::256B")
-CU_FILE = os.path.join(os.path.dirname(__file__), "attention_decode.cu")
 
 
 def _config(config=None) -> dict:
@@ -55,10 +53,8 @@ def source(d: int, g: int, dtype: torch.dtype, config: dict | None = None) -> st
                    KBF16=int(dtype == torch.bfloat16), ktype=C_TYPES[str(dtype)])
     if cfg["load"]:
         defines["LOAD"] = f'"{cfg["load"]}"'
-    with open(CU_FILE) as f:
-        body = f.read()
     head = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"   # before the defines: single letters (D, G, W)
-    return head + "".join(f"#define {k} {v}\n" for k, v in defines.items()) + body
+    return cu_source("attention_decode.cu", defines, head=head)
 
 
 def splits_for(bh: int, n: int, g: int, sms: int, config: dict | None = None) -> int:

@@ -3,6 +3,8 @@ launch inside torch.cuda.graph is captured), raw pointers and the alignment chec
 CuPy is imported only when a kernel loads, so the package imports without it."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -49,6 +51,15 @@ def units_per_block(units: int, warps: int, device: torch.device, blocks_per_sm:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     blocks = max(1, round(sms * blocks_per_sm))
     return warps * max(1, -(-units // (warps * blocks)))
+
+
+def cu_source(name: str, defines: dict, types: dict | None = None, head: str = "") -> str:
+    """The CUDA C of ops/<name> after `head`, a #define per item of `defines` and a typedef per item of `types`
+    (name -> C type)."""
+    with open(os.path.join(os.path.dirname(__file__), name)) as f:
+        body = f.read()
+    return (head + "".join(f"#define {k} {v}\n" for k, v in defines.items())
+            + "".join(f"typedef {t} {n};\n" for n, t in (types or {}).items()) + body)
 
 
 def ptr(t: torch.Tensor) -> np.uint64:

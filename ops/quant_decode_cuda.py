@@ -2,12 +2,10 @@
 here the support check, the shared-memory bound, compiling per shape and launching the two kernels."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr, rows_contiguous
+from tailorkv.ops.cuda_launch import aligned, compile_module, cu_source, launch, ptr, rows_contiguous
 from tailorkv.ops.quant_common_cuda import C_TYPES, HELPERS
 
 WARPS, GROUP = 4, 64
@@ -16,7 +14,6 @@ WARPS, GROUP = 4, 64
 TOKENS_PER_WARP = 256
 BLOCKS_PER_SM = {1: 3}  # resident blocks the compiler keeps registers for (1 bit: 168 registers, no spill)
 SMEM_LIMIT = 48 * 1024
-CU_FILE = os.path.join(os.path.dirname(__file__), "quant_decode.cu")
 
 
 def stage_words(bits: int, d: int) -> int:
@@ -40,10 +37,7 @@ def source(bits: int, d: int, g: int, s: int, qdtype: torch.dtype, vdtype: torch
            tokens_per_warp: int = TOKENS_PER_WARP, blocks_per_sm: int = 1) -> str:
     defines = dict(BITS=bits, D=d, G=g, CT=WARPS * tokens_per_warp, S=s, STAGES=stages_for(bits, d, g),
                    WARPS=WARPS, MINB=blocks_per_sm)
-    with open(CU_FILE) as f:
-        body = f.read()
-    return (HELPERS + "".join(f"#define {k} {v}\n" for k, v in defines.items())
-            + f"typedef {C_TYPES[str(qdtype)]} qtype;\ntypedef {C_TYPES[str(vdtype)]} vtype;\n" + body)
+    return cu_source("quant_decode.cu", defines, dict(qtype=C_TYPES[str(qdtype)], vtype=C_TYPES[str(vdtype)]), HELPERS)
 
 
 def _supported(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, p, bits, group, vgroup) -> bool:

@@ -16,16 +16,13 @@ The codes and the group's scales and mins are staged global -> shared with cp.as
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr, rows_contiguous, units_per_block
+from tailorkv.ops.cuda_launch import aligned, compile_module, cu_source, launch, ptr, rows_contiguous, units_per_block
 from tailorkv.ops.quant_common_cuda import C_TYPES, HELPERS
 
 WARPS, GROUP, SMEM_LIMIT = 4, 64, 48 * 1024
-CU_FILE = os.path.join(os.path.dirname(__file__), "sketch_scores.cu")
 RULES = {"sum": 1, "lse": 2}  # sketch_scores' combine rules the kernel takes (psum needs every token first)
 
 
@@ -39,10 +36,7 @@ def shared_bytes(bits: int, d: int) -> int:
 
 def source(bits: int, d: int, g: int, qdtype: torch.dtype, rule: int) -> str:
     defines = dict(BITS=bits, D=d, G=g, RULE=rule, WARPS=WARPS, STAGES=stages(bits), GROUP=GROUP)
-    with open(CU_FILE) as f:
-        body = f.read()
-    return (HELPERS + "".join(f"#define {k} {v}\n" for k, v in defines.items())
-            + f"typedef {C_TYPES[str(qdtype)]} qtype;\n" + body)
+    return cu_source("sketch_scores.cu", defines, dict(qtype=C_TYPES[str(qdtype)]), HELPERS)
 
 
 def supported(q, k_codes, k_scale, k_min, bits, group) -> bool:
