@@ -25,7 +25,8 @@ from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
 from tailorkv.ops.topk_carry import TopKCarry
 
 LAYERS, N, K, HKV, D, BITS = 31, 131072, 896, 8, 128, 4
-RESOURCE_BYTES, SM_TYPE, NON_BLOCKING = 144, 1, 1  # sizeof(CUdevResource), CU_DEV_RESOURCE_TYPE_SM (CUDA 13 cuda.h)
+# sizeof(CUdevResource), CU_DEV_RESOURCE_TYPE_SM, CU_STREAM_NON_BLOCKING, CU_GREEN_CTX_DEFAULT_STREAM (CUDA 13 cuda.h)
+RESOURCE_BYTES, SM_TYPE, NON_BLOCKING, DEFAULT_STREAM = 144, 1, 1, 1
 
 
 def _check(rc, what):
@@ -50,7 +51,7 @@ def green_streams(side_sms: int, device: int = 0):
     def streams(res, priorities):
         desc, ctx = ctypes.c_void_p(), ctypes.c_void_p()
         _check(cu.cuDevResourceGenerateDesc(ctypes.byref(desc), res, ctypes.c_uint(1)), "cuDevResourceGenerateDesc")
-        _check(cu.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, ctypes.c_uint(0)), "cuGreenCtxCreate")
+        _check(cu.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, ctypes.c_uint(DEFAULT_STREAM)), "cuGreenCtxCreate")
         out = []
         for p in priorities:
             s = ctypes.c_void_p()
@@ -86,6 +87,25 @@ def sms_used(kernel, stream, graph: bool, blocks: int = 264) -> list[int]:
     return sorted(set(out.tolist()))
 
 
+def sms_used_forked(kernel, compute, side, blocks: int = 264) -> dict:
+    """One graph captured on `compute` that forks to `side`: the SMs of each branch's probe."""
+    outs = [torch.full((blocks,), -1, dtype=torch.int32, device="cuda") for _ in range(2)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=compute):
+        fork, join = torch.cuda.Event(), torch.cuda.Event()
+        fork.record(compute)
+        side.wait_event(fork)
+        for s, out in zip((compute, side), outs):
+            with torch.cuda.stream(s):
+                launch(kernel, (blocks,), (32,), (ptr(out),), out.device)
+        join.record(side)
+        compute.wait_event(join)
+    with torch.cuda.stream(compute):
+        g.replay()
+    torch.cuda.synchronize()
+    return {f"forked graph {who}": sorted(set(o.tolist())) for who, o in zip(("compute", "side"), outs)}
+
+
 def sms_used_or_error(kernel, stream, graph: bool):
     try:
         return sms_used(kernel, stream, graph)
@@ -93,29 +113,67 @@ def sms_used_or_error(kernel, stream, graph: bool):
         return [f"error: {e}"]
 
 
-def timed(streams_work, reps):
-    """streams_work: [(stream, fn)] run interleaved layer by layer (fn(layer) queues that layer's work); a sleep
-    first on every stream, so that the host queues ahead. -> median ms per stream."""
-    out = [[] for _ in streams_work]
+def step_graph(compute, select, side, dense_layer, sel, gat, chained: bool):
+    """One CUDA graph of LAYERS layers, forked from `compute`: the dense layer on compute (if dense_layer), per layer
+    the selection on select then the gather on side (if sel / gat). chained: as sketch-ahead runs, layer i + 1's
+    selection starts with dense layer i, and dense layer i + 1 waits for layer i + 1's rows."""
+    def queue():
+        fork = torch.cuda.Event()
+        fork.record(compute)
+        select.wait_event(fork)
+        side.wait_event(fork)
+        rows_ready = None
+        for layer in range(LAYERS):
+            started = torch.cuda.Event()
+            with torch.cuda.stream(compute):
+                if chained and rows_ready is not None:
+                    compute.wait_event(rows_ready)
+                started.record(compute)
+                if dense_layer:
+                    dense_layer(layer)
+            if sel:
+                picked = torch.cuda.Event()
+                with torch.cuda.stream(select):
+                    if chained:
+                        select.wait_event(started)
+                    sel(layer)
+                    picked.record(select)
+                with torch.cuda.stream(side):
+                    side.wait_event(picked)
+                    gat(layer)
+            elif gat:
+                with torch.cuda.stream(side):
+                    gat(layer)
+            if gat:
+                rows_ready = torch.cuda.Event()
+                rows_ready.record(side)
+        for s in (select, side):
+            done = torch.cuda.Event()
+            done.record(s)
+            compute.wait_event(done)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(compute):
+        queue()  # warm-up
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=compute):
+        queue()
+    torch.cuda.synchronize()
+    return g
+
+
+def replay_ms(g, stream, reps):
+    ts = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        ev = []
-        for s, _ in streams_work:
-            with torch.cuda.stream(s):
-                torch.cuda._sleep(2_000_000)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record(s)
-                ev.append((a, b))
-        for layer in range(LAYERS):
-            for s, fn in streams_work:
-                with torch.cuda.stream(s):
-                    fn(layer)
-        for (s, _), (a, b) in zip(streams_work, ev):
-            b.record(s)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            a.record(stream)
+            g.replay()
+            b.record(stream)
         torch.cuda.synchronize()
-        for i, (a, b) in enumerate(ev):
-            out[i].append(a.elapsed_time(b))
-    return [round(statistics.median(x), 4) for x in out]
+        ts.append(a.elapsed_time(b))
+    return round(statistics.median(ts), 4)
 
 
 def main():
@@ -140,15 +198,11 @@ def main():
     def gather(_):
         gather_rows(host, idx, dev, out=rows)
 
-    def select_then(select_stream, gather_stream, events):
-        def sel(layer):
-            topk_tokens(sketch_scores(q, *sketch, BITS, 64, end, 0, "lse", 0.088, carry=carry), K, 0, pos, carry=carry)
-            events[layer].record(select_stream)
+    def sel(_):
+        topk_tokens(sketch_scores(q, *sketch, BITS, 64, end, 0, "lse", 0.088, carry=carry), K, 0, pos, carry=carry)
 
-        def gat(layer):
-            gather_stream.wait_event(events[layer])
-            gather_rows(host, pos, dev, out=rows)
-        return sel, gat
+    def gat(_):
+        gather_rows(host, pos, dev, out=rows)
 
     probe = compile_module(_PROBE).get_function("which_sm")
     results = {"env": environment(dev), "rows": [], "probe": {}}
@@ -168,33 +222,36 @@ def main():
                 "sm_counts (rest, side)": counts,
                 **{f"{who} {how}": sms_used_or_error(probe, s, how == "graph")
                    for who, s in (("compute", compute), ("side", side)) for how in ("eager", "graph")}}
+            try:
+                results["probe"][name].update(sms_used_forked(probe, compute, side))
+            except RuntimeError as e:
+                results["probe"][name]["forked graph"] = [f"error: {e}"]
             p = results["probe"][name]
             print(name, "SM counts", counts, {k: len(v) for k, v in p.items() if k != "sm_counts (rest, side)"},
                   "overlap eager", len(set(p["compute eager"]) & set(p["side eager"])),
-                  "overlap graph", len(set(p["compute graph"]) & set(p["side graph"])), flush=True)
+                  "overlap graph", len(set(p["compute graph"]) & set(p["side graph"])),
+                  "overlap forked", len(set(p.get("forked graph compute", [])) & set(p.get("forked graph side", []))),
+                  flush=True)
         for blocks in [int(b) for b in a.gather_blocks.split(",")]:
             host_gather_cuda.MAX_BLOCKS = blocks
-            events = [torch.cuda.Event() for _ in range(LAYERS)]
-            sel, gat = select_then(select, side, events)
-            base = {"config": name, "sm_counts": counts, "gather_blocks": blocks}
-            (d,) = timed([(compute, layer_dense)], a.reps)
-            (g,) = timed([(side, gather)], a.reps)
-            record({**base, "dense_alone_ms": d, "gather_alone_ms": g})
-            d, g = timed([(compute, layer_dense), (side, gather)], a.reps)
-            record({**base, "beside": "gather", "dense_ms": d, "gather_ms": g})
-            d, s, g = timed([(compute, layer_dense), (select, sel), (side, gat)], a.reps)
-            record({**base, "beside": "sketch+topk -> gather", "dense_ms": d, "select_ms": s, "gather_ms": g})
+            row = {"config": name, "sm_counts": counts, "gather_blocks": blocks}
+            for label, parts, chained in (("dense", (layer_dense, None, None), False),
+                                          ("gather", (None, None, gather), False),
+                                          ("select+gather", (None, sel, gat), False),
+                                          ("dense | gather", (layer_dense, None, gather), False),
+                                          ("dense | select+gather", (layer_dense, sel, gat), False),
+                                          ("chained", (layer_dense, sel, gat), True)):
+                try:
+                    row[label] = replay_ms(step_graph(compute, select, side, *parts, chained), compute, a.reps)
+                except RuntimeError as e:
+                    row[label] = f"error: {e}"
+            record(row)
     os.makedirs(a.out, exist_ok=True)
     write_json(os.path.join(a.out, "green-split.json"), results)
-    print(f"{'config':10} {'blocks':>6} {'beside':24} {'dense':>8} {'select':>8} {'gather':>8}")
+    labels = ["dense", "gather", "select+gather", "dense | gather", "dense | select+gather", "chained"]
+    print(f"{'config':9} {'blocks':>6} " + " ".join(f"{x:>21}" for x in labels))
     for r in results["rows"]:
-        if "beside" in r:
-            print(f"{r['config']:10} {r['gather_blocks']:6} {r['beside']:24} {r['dense_ms']:8.3f} "
-                  f"{r.get('select_ms', float('nan')):8.3f} {r['gather_ms']:8.3f}")
-        else:
-            print(f"{r['config']:10} {r['gather_blocks']:6} {'(alone)':24} {r['dense_alone_ms']:8.3f} "
-                  f"{'':8} {r['gather_alone_ms']:8.3f}")
-
+        print(f"{r['config']:9} {r['gather_blocks']:6} " + " ".join(f"{str(r[x]):>21}" for x in labels))
 
 if __name__ == "__main__":
     main()
