@@ -1,0 +1,118 @@
+"""Is the row gather bound by address translation? The same gathers of 896 x 8 K/V rows of 512 B per layer (31
+layers), beside the dense GEMVs or alone, from host stores that differ only in size and page backing:
+  small:  one 0.5 GiB pinned layer store read by every layer with the same rows (few distinct pages),
+  pinned: 31 layers' stores, 15.5 GiB from torch's pin_memory (cudaHostAlloc), other rows per layer (as the engine),
+  thp:    the same 15.5 GiB in anonymous memory on transparent huge pages (madvise), registered with cudaHostRegister,
+  4k:     as thp but madvise(NOHUGEPAGE), registered likewise.
+    PYTHONPATH=src python3 bench/host_pages.py --out DIR"""
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+
+import torch
+
+from contention import dense_gemvs
+from green_split import BITS, D, HKV, K, LAYERS, N, replay_ms, step_graph
+from tailorkv.engine.results import environment, write_json
+from tailorkv.ops import host_gather_cuda
+from tailorkv.ops.host_gather import gather_rows
+from tailorkv.ops.quant import quantize_sketch
+from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
+from tailorkv.ops.topk_carry import TopKCarry
+
+HUGE = 2 << 20
+LAYER_SHAPE = (1, HKV, N, 2 * D)
+
+
+def anon_store(layers: int, huge: bool, keep: list):
+    """A [layers, 1, HKV, N, 2D] bf16 tensor in anonymous memory, 2 MiB aligned, on huge pages or not, registered."""
+    nbytes = layers * HKV * N * 2 * D * 2
+    m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(m, dtype=torch.uint8)
+    off = (-base.data_ptr()) % HUGE
+    m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE, off, nbytes)
+    t = base[off:off + nbytes].view(torch.bfloat16).view(layers, *LAYER_SHAPE)
+    t.fill_(1.0)
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 3)  # portable | mapped
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister: {rc}")
+    keep.append(m)
+    return t
+
+
+def anon_huge_kib() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--gather-blocks", default="12,24")
+    ap.add_argument("--stores", default="small,pinned,thp,4k")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp_mode = f.read().strip()
+    print("THP:", thp_mode, flush=True)
+    dense = dense_gemvs(dev)
+    sketch = quantize_sketch(torch.randn(1, HKV, N, D, device=dev), BITS, 64)
+    q = torch.randn(1, 32, 1, D, device=dev, dtype=torch.bfloat16)
+    end = torch.tensor(N, device=dev)
+    carry = TopKCarry(HKV, K, dev)
+    pos = torch.empty(1, HKV, K, dtype=torch.long, device=dev)
+    rows = torch.empty(1, HKV, K, 2 * D, device=dev, dtype=torch.bfloat16)
+    idx = [torch.randint(0, N, (1, HKV, K), device=dev) for _ in range(LAYERS)]
+    compute, select, side = (torch.cuda.Stream(dev), torch.cuda.Stream(dev, priority=-5),
+                             torch.cuda.Stream(dev, priority=-5))
+    results, keep = {"env": environment(dev), "thp": thp_mode, "rows": []}, []
+    for name in a.stores.split(","):
+        before = anon_huge_kib()
+        if name == "small":
+            one = torch.ones(LAYER_SHAPE, dtype=torch.bfloat16).pin_memory()
+            store = [one] * LAYERS
+            layer_idx = [idx[0]] * LAYERS
+        else:
+            if name == "pinned":
+                big = torch.empty((LAYERS, *LAYER_SHAPE), dtype=torch.bfloat16, pin_memory=True)
+                big.fill_(1.0)
+            else:
+                big = anon_store(LAYERS, name == "thp", keep)
+            store, layer_idx = list(big), idx
+        huge_gib = (anon_huge_kib() - before) / 2**20
+
+        def gather(layer):
+            gather_rows(store[layer], layer_idx[layer], dev, out=rows)
+
+        def sel(layer):
+            topk_tokens(sketch_scores(q, *sketch, BITS, 64, end, 0, "lse", 0.088, carry=carry), K, 0, pos,
+                        carry=carry)
+            pos.copy_(layer_idx[layer])  # the gather reads this layer's rows (the sketch's picks are one tensor)
+
+        def gat(layer):
+            gather_rows(store[layer], pos, dev, out=rows)
+
+        for blocks in [int(b) for b in a.gather_blocks.split(",")]:
+            host_gather_cuda.MAX_BLOCKS = blocks
+            row = {"store": name, "anon_huge_gib": round(huge_gib, 2), "gather_blocks": blocks}
+            for label, parts, chained in (("dense", (dense.layer, None, None), False),
+                                          ("gather", (None, None, gather), False),
+                                          ("dense | gather", (dense.layer, None, gather), False),
+                                          ("chained", (dense.layer, sel, gat), True)):
+                row[label] = replay_ms(step_graph(compute, select, side, *parts, chained), compute, a.reps)
+            results["rows"].append(row)
+            print(row, flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    write_json(os.path.join(a.out, "host-pages.json"), results)
+    labels = ["dense", "gather", "dense | gather", "chained"]
+    print(f"{'store':7} {'hugeGiB':>7} {'blocks':>6} " + " ".join(f"{x:>15}" for x in labels))
+    for r in results["rows"]:
+        print(f"{r['store']:7} {r['anon_huge_gib']:7} {r['gather_blocks']:6} "
+              + " ".join(f"{r[x]:15.3f}" for x in labels))
+
+
+if __name__ == "__main__":
+    main()
