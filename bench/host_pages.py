@@ -3,12 +3,17 @@ layers), beside the dense GEMVs or alone, from host stores that differ only in s
   small:  one 0.5 GiB pinned layer store read by every layer with the same rows (few distinct pages),
   pinned: 31 layers' stores, 15.5 GiB from torch's pin_memory (cudaHostAlloc), other rows per layer (as the engine),
   thp:    the same 15.5 GiB in anonymous memory on transparent huge pages (madvise), registered with cudaHostRegister,
-  4k:     as thp but madvise(NOHUGEPAGE), registered likewise.
+  4k:     as thp but madvise(NOHUGEPAGE), registered likewise,
+  vmm:    the same 15.5 GiB from the CUDA virtual memory API (cuMemCreate in host memory, mapped at its recommended
+          granularity, the CPU given access too).
+"split" runs the dense and the gather graphs on two streams and times each.
     PYTHONPATH=src python3 bench/host_pages.py --out DIR"""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import mmap
+import statistics
 import os
 
 import torch
@@ -42,6 +47,63 @@ def anon_store(layers: int, huge: bool, keep: list):
     return t
 
 
+class _Prop(ctypes.Structure):   # CUmemAllocationProp (CUDA 13 cuda.h)
+    _fields_ = [("type", ctypes.c_int), ("handle_types", ctypes.c_int), ("loc_type", ctypes.c_int),
+                ("loc_id", ctypes.c_int), ("win32", ctypes.c_void_p), ("compression", ctypes.c_ubyte),
+                ("rdma", ctypes.c_ubyte), ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _Access(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
+
+
+def vmm_store(layers: int, info: dict):
+    """The store in host memory from cuMemCreate (location HOST), mapped for the GPU and the CPU."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    nbytes = layers * HKV * N * 2 * D * 2
+    prop = _Prop(type=1, handle_types=0, loc_type=2, loc_id=0)  # pinned, no handle, CU_MEM_LOCATION_TYPE_HOST
+    gran = ctypes.c_size_t()
+    for what, rc in (("granularity", cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 1)),):
+        if rc:
+            raise RuntimeError(f"{what}: {rc}")
+    size = -(-nbytes // gran.value) * gran.value
+    handle, addr = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+    if rc := cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_ulonglong(0)):
+        raise RuntimeError(f"cuMemCreate: {rc}")
+    if rc := cu.cuMemAddressReserve(ctypes.byref(addr), ctypes.c_size_t(size), ctypes.c_size_t(gran.value),
+                                    ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)):
+        raise RuntimeError(f"cuMemAddressReserve: {rc}")
+    if rc := cu.cuMemMap(addr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)):
+        raise RuntimeError(f"cuMemMap: {rc}")
+    access = (_Access * 2)(_Access(1, torch.cuda.current_device(), 3), _Access(3, 0, 3))  # device, host: read-write
+    if rc := cu.cuMemSetAccess(addr, ctypes.c_size_t(size), access, ctypes.c_size_t(2)):
+        raise RuntimeError(f"cuMemSetAccess: {rc}")
+    info.update(granularity=gran.value, size=size)
+    buf = (ctypes.c_char * nbytes).from_address(addr.value)
+    t = torch.frombuffer(buf, dtype=torch.bfloat16).view(layers, *LAYER_SHAPE)
+    t.fill_(1.0)
+    return t
+
+
+def split_ms(g_dense, g_side, compute, side, reps):
+    """Both graphs at once on their streams -> (dense ms, side ms), medians."""
+    d, s = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        ev = []
+        for g, st in ((g_side, side), (g_dense, compute)):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(st):
+                a.record(st)
+                g.replay()
+                b.record(st)
+            ev.append((a, b))
+        torch.cuda.synchronize()
+        s.append(ev[0][0].elapsed_time(ev[0][1]))
+        d.append(ev[1][0].elapsed_time(ev[1][1]))
+    return round(statistics.median(d), 4), round(statistics.median(s), 4)
+
+
 def anon_huge_kib() -> int:
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages"))
@@ -52,7 +114,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--gather-blocks", default="12,24")
-    ap.add_argument("--stores", default="small,pinned,thp,4k")
+    ap.add_argument("--stores", default="small,pinned,vmm,thp")
     a = ap.parse_args()
     dev = torch.device("cuda")
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -76,7 +138,11 @@ def main():
             store = [one] * LAYERS
             layer_idx = [idx[0]] * LAYERS
         else:
-            if name == "pinned":
+            if name == "vmm":
+                info = {}
+                big = vmm_store(LAYERS, info)
+                print("vmm", info, flush=True)
+            elif name == "pinned":
                 big = torch.empty((LAYERS, *LAYER_SHAPE), dtype=torch.bfloat16, pin_memory=True)
                 big.fill_(1.0)
             else:
@@ -103,11 +169,14 @@ def main():
                                           ("dense | gather", (dense.layer, None, gather), False),
                                           ("chained", (dense.layer, sel, gat), True)):
                 row[label] = replay_ms(step_graph(compute, select, side, *parts, chained), compute, a.reps)
+            g_dense = step_graph(compute, select, side, dense.layer, None, None, False)
+            g_side = step_graph(side, select, side, None, None, gather, False)
+            row["split dense"], row["split gather"] = split_ms(g_dense, g_side, compute, side, a.reps)
             results["rows"].append(row)
             print(row, flush=True)
     os.makedirs(a.out, exist_ok=True)
     write_json(os.path.join(a.out, "host-pages.json"), results)
-    labels = ["dense", "gather", "dense | gather", "chained"]
+    labels = ["dense", "gather", "dense | gather", "chained", "split dense", "split gather"]
     print(f"{'store':7} {'hugeGiB':>7} {'blocks':>6} " + " ".join(f"{x:>15}" for x in labels))
     for r in results["rows"]:
         print(f"{r['store']:7} {r['anon_huge_gib']:7} {r['gather_blocks']:6} "
