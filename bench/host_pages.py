@@ -1,6 +1,8 @@
 """Is the row gather bound by address translation? The same gathers of 896 x 8 K/V rows of 512 B per layer (31
 layers), beside the dense GEMVs or alone, from host stores that differ only in size and page backing:
   small:  one 0.5 GiB pinned layer store read by every layer with the same rows (few distinct pages),
+  small-distinct: that store, other rows per layer,
+  pinned-same: the 31 layers' pinned stores below, each layer the same row numbers in its own store,
   pinned: 31 layers' stores, 15.5 GiB from torch's pin_memory (cudaHostAlloc), other rows per layer (as the engine),
   thp:    the same 15.5 GiB in anonymous memory on transparent huge pages (madvise), registered with cudaHostRegister,
   4k:     as thp but madvise(NOHUGEPAGE), registered likewise,
@@ -133,10 +135,10 @@ def main():
     results, keep = {"env": environment(dev), "thp": thp_mode, "rows": []}, []
     for name in a.stores.split(","):
         before = anon_huge_kib()
-        if name == "small":
+        if name in ("small", "small-distinct"):
             one = torch.ones(LAYER_SHAPE, dtype=torch.bfloat16).pin_memory()
             store = [one] * LAYERS
-            layer_idx = [idx[0]] * LAYERS
+            layer_idx = [idx[0]] * LAYERS if name == "small" else idx
         else:
             if name == "vmm":
                 info = {}
@@ -147,7 +149,7 @@ def main():
                 big.fill_(1.0)
             else:
                 big = anon_store(LAYERS, name == "thp", keep)
-            store, layer_idx = list(big), idx
+            store, layer_idx = list(big), ([idx[0]] * LAYERS if name.endswith("-same") else idx)
         huge_gib = (anon_huge_kib() - before) / 2**20
 
         def gather(layer):
