@@ -144,7 +144,7 @@ def main():
                 info = {}
                 big = vmm_store(LAYERS, info)
                 print("vmm", info, flush=True)
-            elif name == "pinned":
+            elif name.startswith("pinned"):
                 big = torch.empty((LAYERS, *LAYER_SHAPE), dtype=torch.bfloat16, pin_memory=True)
                 big.fill_(1.0)
             else:
