@@ -7,7 +7,8 @@ layers), beside the dense GEMVs or alone, from host stores that differ only in s
   thp:    the same 15.5 GiB in anonymous memory on transparent huge pages (madvise), registered with cudaHostRegister,
   4k:     as thp but madvise(NOHUGEPAGE), registered likewise,
   vmm:    the same 15.5 GiB from the CUDA virtual memory API (cuMemCreate in host memory, mapped at its recommended
-          granularity, the CPU given access too).
+          granularity, the CPU given access too),
+  managed: the same 15.5 GiB as managed memory kept on the host (preferred location host, accessed by the GPU).
 "split" runs the dense and the gather graphs on two streams and times each.
     PYTHONPATH=src python3 bench/host_pages.py --out DIR"""
 from __future__ import annotations
@@ -87,6 +88,27 @@ def vmm_store(layers: int, info: dict):
     return t
 
 
+class _Loc(ctypes.Structure):  # CUmemLocation
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+def managed_store(layers: int):
+    """The store in managed memory, preferred location the host, mapped for the GPU (accessed-by): UVM's own
+    host pages, zero-copy reads."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    nbytes = layers * HKV * N * 2 * D * 2
+    addr = ctypes.c_ulonglong()
+    if rc := cu.cuMemAllocManaged(ctypes.byref(addr), ctypes.c_size_t(nbytes), ctypes.c_uint(1)):
+        raise RuntimeError(f"cuMemAllocManaged: {rc}")
+    t = torch.frombuffer((ctypes.c_char * nbytes).from_address(addr.value), dtype=torch.bfloat16)
+    t = t.view(layers, *LAYER_SHAPE)
+    t.fill_(1.0)  # first touch on the CPU
+    for advice, loc in ((3, _Loc(2, 0)), (5, _Loc(1, torch.cuda.current_device()))):
+        if rc := cu.cuMemAdvise_v2(addr, ctypes.c_size_t(nbytes), ctypes.c_int(advice), loc):
+            raise RuntimeError(f"cuMemAdvise {advice}: {rc}")
+    return t
+
+
 def split_ms(g_dense, g_side, compute, side, reps):
     """Both graphs at once on their streams -> (dense ms, side ms), medians."""
     d, s = [], []
@@ -140,7 +162,9 @@ def main():
             store = [one] * LAYERS
             layer_idx = [idx[0]] * LAYERS if name == "small" else idx
         else:
-            if name == "vmm":
+            if name == "managed":
+                big = managed_store(LAYERS)
+            elif name == "vmm":
                 info = {}
                 big = vmm_store(LAYERS, info)
                 print("vmm", info, flush=True)
