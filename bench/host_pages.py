@@ -154,6 +154,8 @@ def main():
     idx = [torch.randint(0, N, (1, HKV, K), device=dev) for _ in range(LAYERS)]
     compute, select, side = (torch.cuda.Stream(dev), torch.cuda.Stream(dev, priority=-5),
                              torch.cuda.Stream(dev, priority=-5))
+    kernel_gather = host_gather_cuda.load(gather_rows.reference)  # the kernel itself: the dispatch rule wants
+    # pinned or device tensors, and torch does not call managed memory pinned
     results, keep = {"env": environment(dev), "thp": thp_mode, "rows": []}, []
     for name in a.stores.split(","):
         before = anon_huge_kib()
@@ -177,7 +179,7 @@ def main():
         huge_gib = (anon_huge_kib() - before) / 2**20
 
         def gather(layer):
-            gather_rows(store[layer], layer_idx[layer], dev, out=rows)
+            kernel_gather(store[layer], layer_idx[layer], dev, out=rows)
 
         def sel(layer):
             topk_tokens(sketch_scores(q, *sketch, BITS, 64, end, 0, "lse", 0.088, carry=carry), K, 0, pos,
@@ -185,7 +187,7 @@ def main():
             pos.copy_(layer_idx[layer])  # the gather reads this layer's rows (the sketch's picks are one tensor)
 
         def gat(layer):
-            gather_rows(store[layer], pos, dev, out=rows)
+            kernel_gather(store[layer], pos, dev, out=rows)
 
         for blocks in [int(b) for b in a.gather_blocks.split(",")]:
             host_gather_cuda.MAX_BLOCKS = blocks
