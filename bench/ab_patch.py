@@ -9,7 +9,8 @@ refresh-unroll-N (the row cache kernel's block size and reads in flight per thre
 kernel's grid ahead of its layer sized for N blocks per SM under --predict-ahead 2 or more,
 SketchSelector.AHEAD_BLOCKS_PER_SM); predict-after-qkv (the next layer's prediction queued
 after the qkv projection); sketch-after-qkv (only its sketch, top-K and gather queued after it);
-select-priority-0 (the select stream at normal priority); embed-device (an untied embedding table kept on the
+select-priority-0 (the select stream at normal priority); host-pinned (the sparse layers' host stores pinned,
+not ops/host_memory.py's managed memory); embed-device (an untied embedding table kept on the
 device, not in pinned host memory); several joined by "+". (Queries predicted N layers ahead: --predict-ahead N.)"""
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def patch_one(variant: str) -> None:
     elif variant == "embed-device":
         from tailorkv.models import loader
         loader.HOST_EMBEDDINGS = False
+    elif variant == "host-pinned":  # the host stores in pinned memory, not managed memory kept on the host
+        from tailorkv.ops import host_memory
+        host_memory.MANAGED = False
     elif variant == "reuse-on":
         sketch.SketchSelector.REUSE_ROWS = True
     elif variant == "no-gather":

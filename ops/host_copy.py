@@ -81,10 +81,10 @@ def _load():
         if rows * width == 0:
             return dst
         elt = dst.element_size()
-        kind = cupy.cuda.runtime.memcpyDeviceToHost if src.is_cuda else cupy.cuda.runtime.memcpyHostToDevice
         dev = src.device if src.is_cuda else dst.device
         cupy.cuda.runtime.memcpy2DAsync(dst.data_ptr(), dpitch * elt, src.data_ptr(), spitch * elt, width * elt,
-                                        rows, kind, torch.cuda.current_stream(dev).cuda_stream)
+                                        rows, cupy.cuda.runtime.memcpyDefault,  # the pointers say where (UVA)
+                                        torch.cuda.current_stream(dev).cuda_stream)
         return dst
 
     return host_copy_2d

@@ -2,7 +2,7 @@
 
 Regions, by absolute position (every held token is in exactly one):
 - sink   [0, min(sink, held))    on the device, slots [0, sink) of `dev_k` / `dev_v`
-- middle [sink, tail_start)      in the host store only (pinned when the device is CUDA)
+- middle [sink, tail_start)      in the host store only (GPU-mapped when the device is CUDA, ops/host_memory.py)
 - tail   [tail_start, held)      on the device, slots sink + (position - tail_start): the prompt's last
                                  `recent` tokens and every token generated since the last flush
 The host store is preallocated to max_len and indexed by absolute position: token-major K and V side by side
@@ -34,6 +34,7 @@ from tailorkv.engine.settings import MethodSettings
 from tailorkv.engine.step import fine_bucket
 from tailorkv.ops.attention import causal_attention, sparse_decode_attention
 from tailorkv.ops.host_copy import host_copy
+from tailorkv.ops.host_memory import host_empty
 from tailorkv.ops.kv_store import store_kv
 
 FLUSH = 128  # generated tokens the tail may hold beyond `recent` before they move to the host store
@@ -68,12 +69,11 @@ class SparseOffloadCache(LayerCache):
         else:
             self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
-        host = dict(dtype=spec.dtype, device="cpu", pin_memory=spec.device.type == "cuda")
         # a token's K and V rows side by side (one 2D-row run per token and head): the decode step reads both,
-        # and one run touches half the host pages of two separate stores
-        self.host_kv = torch.empty(B, H, N, 2, D, **host)
+        # and one run touches half the host pages of two separate stores; mapped with large pages on a GPU
+        self.host_kv = host_empty((B, H, N, 2, D), spec.dtype, spec.device)
         self.host_k, self.host_v = self.host_kv[:, :, :, 0], self.host_kv[:, :, :, 1]
-        self.host_kt = torch.empty(B, H, D, N, **host) if self.sketch is None else None  # the paper's K^T rows
+        self.host_kt = host_empty((B, H, D, N), spec.dtype, spec.device) if self.sketch is None else None  # paper's
         dev = dict(dtype=spec.dtype, device=spec.device)
         self.dev_k = torch.zeros(B, H, self.sink + self.cap, D, **dev)
         self.dev_v = torch.zeros_like(self.dev_k)

@@ -1,0 +1,87 @@
+"""Host memory that the GPU reads in place (zero-copy, over PCIe), for the stores whose rows a step picks at random.
+
+On a CUDA device a store is managed memory kept in host memory (preferred location the host, mapped for the
+device, never migrated): the GPU maps it with large pages, so that reading thousands of rows scattered over
+gigabytes costs few address translations. Pinned memory (cudaHostAlloc) is mapped with small pages: on the H200
+with 31 layers' K/V stores (15.5 GiB), the gather of 896 x 8 rows of 512 B per layer beside the dense GEMVs took
+4.84 ms for 31 layers from pinned memory and 3.07 ms from managed memory, which reads as fast as a 0.5 GiB pinned
+store does (bench/host_pages.py, bench/results/2026-12-01-h200-sixteenth-session). Without CUDA (or where the
+driver refuses managed memory) a store is ordinary (pinned on a CUDA device) torch memory.
+
+The tensors are CPU tensors to torch; `gpu_readable` is the one test of whether a kernel may read a tensor."""
+from __future__ import annotations
+
+import bisect
+import ctypes
+
+import torch
+
+MANAGED = True  # False: pinned stores (for A/B runs)
+_ATTACH_GLOBAL, _PREFER, _ACCESSED_BY, _HOST, _DEVICE = 1, 3, 5, 2, 1  # CUDA driver API enums (cuda.h)
+_ranges: list[tuple[int, int]] = []  # (start, end) of live managed allocations, sorted
+
+
+class _Location(ctypes.Structure):  # CUmemLocation
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Managed:
+    """One managed allocation, freed when the last tensor over it dies (its buffer holds it)."""
+
+    def __init__(self, addr: int, nbytes: int, cu):
+        self.addr, self.nbytes, self.cu = addr, nbytes, cu
+        bisect.insort(_ranges, (addr, addr + nbytes))
+
+    def __del__(self):
+        try:
+            _ranges.remove((self.addr, self.addr + self.nbytes))
+            self.cu.cuMemFree_v2(ctypes.c_ulonglong(self.addr))
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _managed_buffer(nbytes: int, device: int):
+    """A ctypes buffer over new managed memory whose pages live on the host, mapped for `device`."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    addr = ctypes.c_ulonglong()
+    _check(cu.cuMemAllocManaged(ctypes.byref(addr), ctypes.c_size_t(nbytes), ctypes.c_uint(_ATTACH_GLOBAL)),
+           "cuMemAllocManaged")
+    buffer = (ctypes.c_char * nbytes).from_address(addr.value)
+    buffer.owner = _Managed(addr.value, nbytes, cu)  # torch.frombuffer keeps the buffer, the buffer this
+    torch.frombuffer(buffer, dtype=torch.uint8).zero_()  # first touch on the host: its pages live there
+    for advice, where in ((_PREFER, _Location(_HOST, 0)), (_ACCESSED_BY, _Location(_DEVICE, device))):
+        _check(cu.cuMemAdvise_v2(ctypes.c_ulonglong(addr.value), ctypes.c_size_t(nbytes), ctypes.c_int(advice),
+                                 where), "cuMemAdvise")
+    return buffer
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed (CUresult {rc})")
+
+
+def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor (zeroed where managed) that kernels on `device` read in place."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.empty(shape, dtype=dtype)
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    if MANAGED and nbytes > 0:
+        try:
+            buffer = _managed_buffer(nbytes, torch.cuda.current_device() if device.index is None else device.index)
+        except (OSError, RuntimeError):
+            pass  # no driver library or no managed memory: pinned
+        else:
+            return torch.frombuffer(buffer, dtype=dtype).view(shape)
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def gpu_readable(t: torch.Tensor) -> bool:
+    """On the GPU, in pinned memory or in a managed store of host_empty."""
+    if t.is_cuda or t.is_pinned():
+        return True
+    if not _ranges or t.numel() == 0:
+        return False
+    p = t.data_ptr()
+    i = bisect.bisect_right(_ranges, (p, float("inf"))) - 1
+    return i >= 0 and _ranges[i][0] <= p < _ranges[i][1]

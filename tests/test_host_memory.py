@@ -1,0 +1,47 @@
+"""host_empty / gpu_readable: the host stores that kernels read in place (managed memory kept on the host)."""
+import gc
+
+import pytest
+import torch
+
+from tailorkv.ops import dispatch, host_memory
+from tailorkv.ops.host_copy import host_copy
+from tailorkv.ops.host_gather import gather_rows
+from tailorkv.ops.host_memory import gpu_readable, host_empty
+
+
+def test_without_cuda_a_store_is_plain_host_memory():
+    t = host_empty((2, 3, 4), torch.bfloat16, torch.device("cpu"))
+    assert t.shape == (2, 3, 4) and t.dtype == torch.bfloat16 and t.device.type == "cpu"
+    assert not gpu_readable(t) and not gpu_readable(torch.zeros(3))
+
+
+@pytest.mark.cuda
+def test_managed_store_is_read_and_written_in_place():
+    B, H, N, X = 1, 4, 5000, 256
+    store = host_empty((B, H, N, X), torch.bfloat16, torch.device("cuda"))
+    assert store.device.type == "cpu" and not store.is_pinned(), "expected managed memory, not pinned"
+    assert gpu_readable(store) and gpu_readable(store[:, 2, 4000:]) and not gpu_readable(store.clone())
+    assert (store == 0).all()                                   # zeroed where it was first touched, the host
+    src = torch.randn(B, H, N, X, generator=torch.Generator().manual_seed(0)).bfloat16()
+    store.copy_(src)                                            # written by the CPU
+    idx = torch.randint(0, N, (B, H, 900), device="cuda")
+    out = torch.full((B, H, 900, X), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert dispatch.kernel_for("gather_rows", store, idx) is not None, "the gather kernel was not chosen"
+    gather_rows(store, idx, torch.device("cuda"), out=out)      # read by the GPU, zero-copy
+    assert torch.equal(out.cpu(), gather_rows.reference(src, idx.cpu(), torch.device("cpu")))
+    k = torch.randn(B, H, 700, X, device="cuda").bfloat16()
+    host_copy(store[:, :, 1000:1700], k)                        # written by the GPU (a 2D copy)
+    torch.cuda.synchronize()
+    assert torch.equal(store[:, :, 1000:1700], k.cpu()) and torch.equal(store[:, :, :1000], src[:, :, :1000])
+    ranges = len(host_memory._ranges)
+    del store
+    gc.collect()
+    assert len(host_memory._ranges) == ranges - 1               # freed with its last tensor
+
+
+@pytest.mark.cuda
+def test_pinned_when_managed_is_off(monkeypatch):
+    monkeypatch.setattr(host_memory, "MANAGED", False)
+    t = host_empty((4, 8), torch.float32, torch.device("cuda"))
+    assert t.is_pinned() and gpu_readable(t)
