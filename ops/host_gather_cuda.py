@@ -13,10 +13,11 @@ import torch
 
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 
-# 12 blocks: at 128k, sketch-ahead on the H200 with the top-K carry, 6.49-6.50 ms/token against 6.86-6.89 with 16
-# (10: 6.50, 14: 6.61, 8: 6.77; 32k and 8k unchanged: bench/results/2026-12-01-h200-twelfth-session). Before the
-# select stream and the carry, 16 had measured best (8.37 ms/token; 12: 8.48, 8: 9.45, 32: 8.83; tenth session).
-MAX_BLOCKS, THREADS, UNROLL = 12, 256, 4
+# 16 blocks: at 128k, sketch-ahead (4-bit sketch) on the H200 from managed host stores (ops/host_memory.py), 6.116
+# ms/token (20: 6.128, 24: 6.122-6.129, 12: 6.213; 32k and 8k the same within 0.3%: bench/results/2026-12-01-h200-
+# sixteenth-session). From pinned stores 12 had measured best (6.45; 16: 6.86, 24: 7.31, 32: 7.73), the extra
+# reads in flight slowing the GEMVs beside them (twelfth and sixteenth sessions).
+MAX_BLOCKS, THREADS, UNROLL = 16, 256, 4
 
 _SOURCE = r"""
 extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, const unsigned long long idx_addr,

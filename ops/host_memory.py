@@ -8,17 +8,17 @@ with 31 layers' K/V stores (15.5 GiB), the gather of 896 x 8 rows of 512 B per l
 store does (bench/host_pages.py, bench/results/2026-12-01-h200-sixteenth-session). Without CUDA (or where the
 driver refuses managed memory) a store is ordinary (pinned on a CUDA device) torch memory.
 
-The tensors are CPU tensors to torch; `gpu_readable` is the one test of whether a kernel may read a tensor."""
+The tensors are CPU tensors to torch, which calls managed memory pinned (is_pinned), so the dispatch rule sends
+them to the kernels and copies to and from them are asynchronous."""
 from __future__ import annotations
 
-import bisect
 import ctypes
 
 import torch
 
 MANAGED = True  # False: pinned stores (for A/B runs)
 _ATTACH_GLOBAL, _PREFER, _ACCESSED_BY, _HOST, _DEVICE = 1, 3, 5, 2, 1  # CUDA driver API enums (cuda.h)
-_ranges: list[tuple[int, int]] = []  # (start, end) of live managed allocations, sorted
+_live = {"allocations": 0, "bytes": 0}  # managed stores not yet freed
 
 
 class _Location(ctypes.Structure):  # CUmemLocation
@@ -30,12 +30,14 @@ class _Managed:
 
     def __init__(self, addr: int, nbytes: int, cu):
         self.addr, self.nbytes, self.cu = addr, nbytes, cu
-        bisect.insort(_ranges, (addr, addr + nbytes))
+        _live["allocations"] += 1
+        _live["bytes"] += nbytes
 
     def __del__(self):
         try:
-            _ranges.remove((self.addr, self.addr + self.nbytes))
             self.cu.cuMemFree_v2(ctypes.c_ulonglong(self.addr))
+            _live["allocations"] -= 1
+            _live["bytes"] -= self.nbytes
         except Exception:  # interpreter shutdown
             pass
 
@@ -76,12 +78,6 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
-def gpu_readable(t: torch.Tensor) -> bool:
-    """On the GPU, in pinned memory or in a managed store of host_empty."""
-    if t.is_cuda or t.is_pinned():
-        return True
-    if not _ranges or t.numel() == 0:
-        return False
-    p = t.data_ptr()
-    i = bisect.bisect_right(_ranges, (p, float("inf"))) - 1
-    return i >= 0 and _ranges[i][0] <= p < _ranges[i][1]
+def managed_bytes() -> int:
+    """Host bytes in managed stores now (freed with their last tensor)."""
+    return _live["bytes"]
