@@ -117,5 +117,6 @@ def build_cache(loaded, settings: MethodSettings, max_len: int, batch: int = 1,
         spec = LayerSpec(i, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, max_len, batch, dtype, torch.device(device))
         cls = policy_class(name)
         layers.append(cls(spec, settings))
-    return ModelCache(layers, query_fn=model.project_query, method=settings.method,
+    query_fn = model.query_predictor(settings.predict_weights if settings.method == "tailorkv" else "bf16")
+    return ModelCache(layers, query_fn=query_fn, method=settings.method,
                       scheduler=Scheduler(torch.device(device), overlap=overlap), predict_ahead=settings.predict_ahead)

@@ -31,8 +31,8 @@ def _users(knob: str) -> str:
 
 
 def method_options(fn):
-    from tailorkv.engine.settings import (CHANNEL_RULES, DEFAULT_BITS, METHODS, SELECT_MODES, SELECT_RULES, SKETCH_BITS,
-                                          MethodSettings)
+    from tailorkv.engine.settings import (CHANNEL_RULES, DEFAULT_BITS, METHODS, PREDICT_WEIGHTS, SELECT_MODES,
+                                          SELECT_RULES, SKETCH_BITS, MethodSettings)
     d = MethodSettings()
     opts = [
         click.option("--method", type=click.Choice(METHODS), default="full", show_default=True, help="KV-cache method"),
@@ -60,6 +60,11 @@ def method_options(fn):
                      help="a sparse layer's query predicted from the input of the layer this many before it (1: the "
                           "paper's one layer early; more gives its selection and fetch more layers to run under) "
                           f"({_users('predict_ahead')})"),
+        click.option("--predict-weights", type=click.Choice(PREDICT_WEIGHTS), default=d.predict_weights,
+                     show_default=True,
+                     help="the W_q that the one-layer-early query prediction reads: the model's (bf16) or e4m3 "
+                          f"copies with a scale per row (fp8: half the bytes, +0.5 GiB on an 8B) "
+                          f"({_users('predict_weights')})"),
         click.option("--select-rule", type=click.Choice(SELECT_RULES), default=d.select_rule, show_default=True,
                      help="top-K tokens of a KV head from its query heads' scores: summed logits (paper), "
                           f"logsumexp of logits (lse), summed probabilities (psum) ({_users('select_rule')})"),
@@ -76,7 +81,7 @@ def method_options(fn):
 
 
 KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "select", "sketch_bits", "predict_ahead",
-         "select_rule", "channel_rule", "own_query_below")
+         "predict_weights", "select_rule", "channel_rule", "own_query_below")
 
 
 def given_knobs(ctx: click.Context) -> list[str]:
@@ -102,7 +107,7 @@ def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
 
 
 def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select="channels", sketch_bits=2,
-                  select_rule=None, channel_rule=None, own_query_below=None, predict_ahead=1):
+                  select_rule=None, channel_rule=None, own_query_below=None, predict_ahead=1, predict_weights="bf16"):
     from tailorkv.engine.settings import MethodSettings
     ql = None
     if quant_layers is not None:
@@ -114,7 +119,8 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
                                ("own_query_below", own_query_below)) if v is not None}
     s = MethodSettings(method=method, bits=None if bits is None else int(bits), budget=budget, sink=sink,
                        recent=recent, channels=channels, quant_layers=ql, select=select,
-                       sketch_bits=int(sketch_bits), predict_ahead=predict_ahead, **rules)
+                       sketch_bits=int(sketch_bits), predict_ahead=predict_ahead, predict_weights=predict_weights,
+                       **rules)
     try:
         s.validate()
     except ValueError as e:

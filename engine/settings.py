@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, asdict
 METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
 SELECT_MODES = ("channels", "sketch", "sketch-ahead")  # where a sparse layer's approximate scores come from
 SKETCH_BITS = (1, 2, 4)                 # the key sketch's precision
+PREDICT_WEIGHTS = ("bf16", "fp8")       # the W_q copy that the one-layer-early query prediction reads
 SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
 CHANNEL_RULES = ("paper", "max", "l2")   # how the r channels per KV head are chosen (ops/sparse_select.py)
 DEFAULT_BITS = 1  # quantized layers' bits when neither --bits nor the model's config ("bits") names them
@@ -21,6 +22,7 @@ KNOB_USERS = {
     "select": ("tailorkv",),
     "sketch_bits": ("tailorkv",),
     "predict_ahead": ("tailorkv",),
+    "predict_weights": ("tailorkv",),
     "select_rule": ("tailorkv",),
     "channel_rule": ("tailorkv",),
     "own_query_below": ("tailorkv",),
@@ -54,6 +56,7 @@ class MethodSettings:
     own_query_layers: list[int] | None = None  # None: from the profile and own_query_below (build_cache)
     predict_ahead: int = 1   # a sparse layer's query predicted from the input of the layer this many before it
     #                          (the paper's: 1); more gives its selection and fetch more layers to run under
+    predict_weights: str = "bf16"  # PREDICT_WEIGHTS: the model's W_q, or e4m3 copies of it (half the bytes)
     page: int = 16           # quest page size
     snap_window: int = 32    # snapkv observation window (last prompt queries)
     snap_pool: int = 7       # snapkv pooling kernel
@@ -101,6 +104,8 @@ class MethodSettings:
             raise ValueError(f"--own-query-below must be a cosine in [0, 1] (0 = never), got {self.own_query_below}")
         if self.predict_ahead < 1:
             raise ValueError(f"--predict-ahead must be at least 1 (the layer before), got {self.predict_ahead}")
+        if self.predict_weights not in PREDICT_WEIGHTS:
+            raise ValueError(f"--predict-weights {self.predict_weights}: use {', '.join(PREDICT_WEIGHTS)}")
         if self.dense_layers is not None and any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
             raise ValueError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
 

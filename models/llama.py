@@ -14,7 +14,7 @@ from tailorkv.models.config import ModelConfig
 from tailorkv.models.rope import Rope
 from tailorkv.ops.fused import add_rms_norm, rms_norm, silu_mul_halves
 from tailorkv.ops.host_gather import gather_rows
-from tailorkv.ops.linear import linear
+from tailorkv.ops.linear import fp8_rows, linear, linear_fp8
 
 MLP_CHUNK = 4096  # prefill tokens per MLP call: bounds the [T, hidden_dim] activations
 
@@ -82,9 +82,10 @@ class Attention(nn.Module, Stacked):
         b, _, t, _ = o.shape
         return linear(o.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight)
 
-    def query(self, x, positions, rope: Rope):
-        """This layer's roped query alone for input x [B, T, dim] -> [B, Hq, T, D] (reads only W_q)."""
-        q = linear(x, self.qkv_proj.weight[:self.sizes[0]])
+    def query(self, x, positions, rope: Rope, fp8=None):
+        """This layer's roped query alone for input x [B, T, dim] -> [B, Hq, T, D] (reads only W_q, or its
+        fp8_rows codes and scales `fp8`)."""
+        q = linear(x, self.qkv_proj.weight[:self.sizes[0]]) if fp8 is None else linear_fp8(x, *fp8)
         return rope(self.heads(q, self.n_heads), None, positions)[0]
 
 
@@ -209,3 +210,11 @@ class Llama(nn.Module):
     def project_query(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer layer_idx's roped query for normalized input x [B, T, dim] at `positions` -> [B, Hq, T, D]."""
         return self.model.layers[layer_idx].self_attn.query(x, positions, self.rope)
+
+    def query_predictor(self, weights: str = "bf16"):
+        """project_query from W_q as stored ("bf16"), or from e4m3 copies of every layer's W_q made now ("fp8":
+        half the bytes read per prediction, at ~2^-4 relative error per weight)."""
+        if weights != "fp8":
+            return self.project_query
+        codes = [fp8_rows(layer.self_attn.qkv_proj.weight[:layer.self_attn.sizes[0]]) for layer in self.model.layers]
+        return lambda i, x, positions: self.model.layers[i].self_attn.query(x, positions, self.rope, codes[i])

@@ -72,6 +72,65 @@ __device__ __forceinline__ void gemv(const uint4* x, const uint4* w, unsigned sh
     }
 }
 
+__device__ __forceinline__ float dot16_fp8(const uint4 w, const float* xf) {  // 16 e4m3 codes, byte i = element i
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+    float s = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        unsigned lo, hi;  // elements 4i, 4i + 1 and 4i + 2, 4i + 3 as f16x2 (the low byte to the low half)
+        asm("{ .reg .b16 a, b;\n mov.b32 {a, b}, %%2;\n cvt.rn.f16x2.e4m3x2 %%0, a;\n cvt.rn.f16x2.e4m3x2 %%1, b; }"
+            : "=r"(lo), "=r"(hi) : "r"(words[i]));
+        s += lo_f(lo, f16{}) * xf[4 * i] + hi_f(lo, f16{}) * xf[4 * i + 1] + lo_f(hi, f16{}) * xf[4 * i + 2]
+           + hi_f(hi, f16{}) * xf[4 * i + 3];
+    }
+    return s;
+}
+
+template <typename T>
+__device__ __forceinline__ void gemv_fp8(const uint4* x, const uint4* w, const float* scale, unsigned short* y,
+                                         const int N, const int kc, const long long ldw) {
+    // kc: K / 16 (a 16-byte chunk of a row holds 16 codes; x's 16 values are two uint4), ldw in chunks
+    __shared__ float part[THREADS / 32][ROWS];
+    const int r0 = blockIdx.x * ROWS;
+    const int nr = min(ROWS, N - r0);
+    float acc[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+    #pragma unroll 2
+    for (int c = threadIdx.x; c < kc; c += THREADS) {
+        const uint4 xa = __ldg(x + 2 * c), xb = __ldg(x + 2 * c + 1);
+        float xf[16] = {lo_f(xa.x, T{}), hi_f(xa.x, T{}), lo_f(xa.y, T{}), hi_f(xa.y, T{}),
+                        lo_f(xa.z, T{}), hi_f(xa.z, T{}), lo_f(xa.w, T{}), hi_f(xa.w, T{}),
+                        lo_f(xb.x, T{}), hi_f(xb.x, T{}), lo_f(xb.y, T{}), hi_f(xb.y, T{}),
+                        lo_f(xb.z, T{}), hi_f(xb.z, T{}), lo_f(xb.w, T{}), hi_f(xb.w, T{})};
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            if (r < nr) acc[r] += dot16_fp8(load_stream(w + (r0 + r) * ldw + c), xf);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        for (int o = 16; o; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+        if (lane == 0) part[warp][r] = acc[r];
+    }
+    __syncthreads();
+    if (threadIdx.x < nr) {
+        float s = 0.f;
+        #pragma unroll
+        for (int i = 0; i < THREADS / 32; ++i) s += part[i][threadIdx.x];
+        y[r0 + threadIdx.x] = round_to(s * scale[r0 + threadIdx.x], T{});
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) gemv_fp8_bf16(const uint4* x, const uint4* w,
+        const float* scale, unsigned short* y, const int N, const int kc, const long long ldw) {
+    gemv_fp8<bf16>(x, w, scale, y, N, kc, ldw);
+}
+extern "C" __global__ void __launch_bounds__(THREADS) gemv_fp8_f16(const uint4* x, const uint4* w,
+        const float* scale, unsigned short* y, const int N, const int kc, const long long ldw) {
+    gemv_fp8<f16>(x, w, scale, y, N, kc, ldw);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) gemv_bf16(const uint4* x, const uint4* w, unsigned short* y,
                                                                 const int N, const int kc, const long long ldw) {
     gemv<bf16>(x, w, y, N, kc, ldw);
@@ -82,6 +141,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) gemv_f16(const uint4* x, c
 }
 """
 NAMES = {torch.bfloat16: "gemv_bf16", torch.float16: "gemv_f16"}
+FP8_NAMES = {torch.bfloat16: "gemv_fp8_bf16", torch.float16: "gemv_fp8_f16"}
 
 
 def source() -> str:
@@ -111,3 +171,29 @@ def load(reference):
         return y
 
     return linear
+
+
+def load_fp8(reference):
+    mod = compile_module(source())
+    kernels = {dt: mod.get_function(name) for dt, name in FP8_NAMES.items()}
+
+    def linear_fp8(x, codes, scale):
+        """Kernel for one row of bf16/fp16 (x.numel() == K) with e4m3 rows contiguous, K % 16 == 0, 16-byte aligned
+        rows and fp32 scales [N] contiguous; else the reference."""
+        K = x.shape[-1] if x.dim() else 0
+        ok = (x.dtype in kernels and codes.dtype == torch.float8_e4m3fn and codes.dim() == 2 and codes.shape[1] == K
+              and x.numel() == K and K % 16 == 0 and K > 0 and x.stride(-1) == 1 and codes.stride(1) == 1
+              and codes.stride(0) % 16 == 0 and scale.dtype == torch.float32 and scale.is_contiguous()
+              and scale.shape == (codes.shape[0],) and all(t.is_cuda and t.device == x.device for t in (codes, scale))
+              and aligned(x, 16) and aligned(codes, 16))
+        if not ok:
+            return reference(x, codes, scale)
+        N = codes.shape[0]
+        y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+        if N:
+            launch(kernels[x.dtype], (-(-N // ROWS),), (THREADS,),
+                   (ptr(x), ptr(codes), ptr(scale), ptr(y), np.int32(N), np.int32(K // 16),
+                    np.int64(codes.stride(0) // 16)), x.device)
+        return y
+
+    return linear_fp8

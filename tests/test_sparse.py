@@ -429,3 +429,23 @@ def test_sketch_takes_a_partial_last_group(gen, bits):
     q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
     sp.attend(q1, k1, v1, P + 130)
     assert torch.equal(seen[-1].sort(-1).values, want(allk, q1, 40).sort(-1).values)
+
+
+def test_fp8_prediction_reads_e4m3_copies_of_the_next_layers_weights():
+    """predict_weights="fp8": the same prediction from fp8_rows copies of W_q (close to, not equal to, bf16's)."""
+    from tailorkv.engine.methods import build_cache
+    from tailorkv.models.loader import LoadedModel
+    from tailorkv.ops.linear import fp8_rows
+    cfg, model = tiny_model(n_layers=3)
+    loaded = LoadedModel(model, None, cfg, "tiny", "random")
+    x, pos = torch.randn(1, 1, 64), torch.tensor([7])
+    plain = build_cache(loaded, MethodSettings(method="tailorkv", quant_layers=[0], budget=10, sink=2, recent=4,
+                                               channels=4), max_len=64).query_fn
+    fp8 = build_cache(loaded, MethodSettings(method="tailorkv", quant_layers=[0], budget=10, sink=2, recent=4,
+                                             channels=4, predict_weights="fp8"), max_len=64).query_fn
+    codes, scale = fp8_rows(model.model.layers[2].self_attn.qkv_proj.weight[:4 * 32])
+    by_hand = ((x @ codes.float().T) * scale).view(1, 1, 4, 32).transpose(1, 2)
+    assert rel_err(fp8(2, x, pos), model.rope(by_hand, None, pos)[0]) < 1e-6
+    assert 1e-4 < rel_err(fp8(2, x, pos), plain(2, x, pos)) < 0.1
+    with pytest.raises(ValueError, match="--predict-weights"):
+        MethodSettings(method="tailorkv", predict_weights="int4").validate()
