@@ -1,11 +1,13 @@
-"""The one dispatch rule for every op: tensors the GPU can read (on the GPU, or in pinned host memory, which
-kernels read zero-copy), at least one on the GPU, and a loadable kernel -> the kernel; else the torch
+"""The one dispatch rule for every op: tensors the GPU can read (on the GPU, or in host memory it maps: pinned or
+ops/host_memory.py's stores, which kernels read zero-copy), at least one on the GPU, and a loadable kernel -> the kernel; else the torch
 reference. Kernels register themselves by op name; a kernel that fails to build is remembered as absent."""
 from __future__ import annotations
 
 import os
 import warnings
 from typing import Callable
+
+from tailorkv.ops.host_memory import gpu_readable
 
 _KERNELS: dict[str, Callable] = {}
 _LOADERS: dict[str, Callable[[], Callable]] = {}
@@ -27,7 +29,7 @@ def kernels_enabled(name: str | None = None) -> bool:
 def kernel_for(name: str, *tensors) -> Callable | None:
     if not kernels_enabled(name) or name in _FAILED or name not in _LOADERS:
         return None
-    if not any(t.is_cuda for t in tensors) or not all(t.is_cuda or t.is_pinned() for t in tensors):
+    if not any(t.is_cuda for t in tensors) or not all(gpu_readable(t) for t in tensors):
         return None
     if name not in _KERNELS:
         try:

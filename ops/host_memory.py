@@ -8,10 +8,11 @@ with 31 layers' K/V stores (15.5 GiB), the gather of 896 x 8 rows of 512 B per l
 store does (bench/host_pages.py, bench/results/2026-12-01-h200-sixteenth-session). Without CUDA (or where the
 driver refuses managed memory) a store is ordinary (pinned on a CUDA device) torch memory.
 
-The tensors are CPU tensors to torch, which calls managed memory pinned (is_pinned), so the dispatch rule sends
-them to the kernels and copies to and from them are asynchronous."""
+The tensors are CPU tensors to torch, which does not call managed memory pinned (is_pinned is False, or True,
+depending on how torch asks); `gpu_readable` is the one test of whether a kernel may read a tensor."""
 from __future__ import annotations
 
+import bisect
 import ctypes
 
 import torch
@@ -19,6 +20,7 @@ import torch
 MANAGED = True  # False: pinned stores (for A/B runs)
 _ATTACH_GLOBAL, _PREFER, _ACCESSED_BY, _HOST, _DEVICE = 1, 3, 5, 2, 1  # CUDA driver API enums (cuda.h)
 _live = {"allocations": 0, "bytes": 0}  # managed stores not yet freed
+_ranges: list[tuple[int, int]] = []      # their (start, end) addresses, sorted
 
 
 class _Location(ctypes.Structure):  # CUmemLocation
@@ -32,9 +34,11 @@ class _Managed:
         self.addr, self.nbytes, self.cu = addr, nbytes, cu
         _live["allocations"] += 1
         _live["bytes"] += nbytes
+        bisect.insort(_ranges, (addr, addr + nbytes))
 
     def __del__(self):
         try:
+            _ranges.remove((self.addr, self.addr + self.nbytes))
             self.cu.cuMemFree_v2(ctypes.c_ulonglong(self.addr))
             _live["allocations"] -= 1
             _live["bytes"] -= self.nbytes
@@ -81,3 +85,14 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def managed_bytes() -> int:
     """Host bytes in managed stores now (freed with their last tensor)."""
     return _live["bytes"]
+
+
+def gpu_readable(t: torch.Tensor) -> bool:
+    """On the GPU, in pinned memory or in a managed store of host_empty."""
+    if t.is_cuda or t.is_pinned():
+        return True
+    if not _ranges or t.numel() == 0:
+        return False
+    p = t.data_ptr()
+    i = bisect.bisect_right(_ranges, (p, float("inf"))) - 1
+    return i >= 0 and _ranges[i][0] <= p < _ranges[i][1]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr
+from tailorkv.ops.host_memory import gpu_readable
 from tailorkv.ops.quant_common_cuda import C_TYPES
 
 WARPS = 8
@@ -169,7 +170,7 @@ def load(reference):
             ok = (host_k is not None and host_v is not None and host_k.dtype == q.dtype
                   and host_v.dtype == q.dtype and host_k.stride() == host_v.stride() and host_k.stride(-1) == 1
                   and host_k.shape == host_v.shape and host_k.shape[:2] == (B, Hkv)
-                  and all(t.is_pinned() or (t.is_cuda and t.device == dev) for t in (host_k, host_v))
+                  and all((not t.is_cuda and gpu_readable(t)) or (t.is_cuda and t.device == dev) for t in (host_k, host_v))
                   and pos.dtype == torch.int64 and pos.device == dev and pos.shape == (B, Hkv, K)
                   and pos.stride(-1) == 1 and (not rows_gathered or host_k.shape[2] == K))
         if not ok:

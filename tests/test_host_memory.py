@@ -7,12 +7,13 @@ import torch
 from tailorkv.ops import dispatch, host_memory
 from tailorkv.ops.host_copy import host_copy
 from tailorkv.ops.host_gather import gather_rows
-from tailorkv.ops.host_memory import host_empty, managed_bytes
+from tailorkv.ops.host_memory import gpu_readable, host_empty, managed_bytes
 
 
 def test_without_cuda_a_store_is_plain_host_memory():
     t = host_empty((2, 3, 4), torch.bfloat16, torch.device("cpu"))
     assert t.shape == (2, 3, 4) and t.dtype == torch.bfloat16 and t.device.type == "cpu"
+    assert not gpu_readable(t)
 
 
 @pytest.mark.cuda
@@ -21,7 +22,8 @@ def test_managed_store_is_read_and_written_in_place():
     before = managed_bytes()
     store = host_empty((B, H, N, X), torch.bfloat16, torch.device("cuda"))
     assert managed_bytes() - before == store.numel() * 2, "expected a managed store"
-    assert store.device.type == "cpu" and store.is_pinned()    # to torch (and so to the dispatch rule): pinned
+    assert store.device.type == "cpu" and gpu_readable(store) and gpu_readable(store[:, 2, 4000:])
+    assert not gpu_readable(store.clone())
     assert (store == 0).all()                                   # zeroed where it was first touched, the host
     src = torch.randn(B, H, N, X, generator=torch.Generator().manual_seed(0)).bfloat16()
     store.copy_(src)                                            # written by the CPU
@@ -44,4 +46,4 @@ def test_pinned_when_managed_is_off(monkeypatch):
     monkeypatch.setattr(host_memory, "MANAGED", False)
     before = managed_bytes()
     t = host_empty((4, 8), torch.float32, torch.device("cuda"))
-    assert t.is_pinned() and managed_bytes() == before
+    assert t.is_pinned() and gpu_readable(t) and managed_bytes() == before
