@@ -1,11 +1,13 @@
 """Host memory that the GPU reads in place (zero-copy, over PCIe), for the stores whose rows a step picks at random.
 
-On a CUDA device a store is managed memory kept in host memory (preferred location the host, mapped for the
+On a CUDA device a store can be managed memory kept in host memory (preferred location the host, mapped for the
 device, never migrated): the GPU maps it with large pages, so that reading thousands of rows scattered over
 gigabytes costs few address translations. Pinned memory (cudaHostAlloc) is mapped with small pages: on the H200
 with 31 layers' K/V stores (15.5 GiB), the gather of 896 x 8 rows of 512 B per layer beside the dense GEMVs took
 4.84 ms for 31 layers from pinned memory and 3.07 ms from managed memory, which reads as fast as a 0.5 GiB pinned
-store does (bench/host_pages.py, bench/results/2026-12-01-h200-sixteenth-session). Without CUDA (or where the
+store does (bench/host_pages.py, bench/results/2026-12-01-h200-sixteenth-session). The DMA copies into a managed
+store are slower, though: a 128k prefill of Llama-3.1-8B took 12.3-15.0 s instead of 11.3-11.8, so only the stores
+read row by row under the dense GEMVs (sketch-ahead's) ask for it (`managed=True`). Without CUDA (or where the
 driver refuses managed memory) a store is ordinary (pinned on a CUDA device) torch memory.
 
 The tensors are CPU tensors to torch, which does not call managed memory pinned (is_pinned is False, or True,
@@ -17,7 +19,7 @@ import ctypes
 
 import torch
 
-MANAGED = True  # False: pinned stores (for A/B runs)
+MANAGED = True  # False: every store pinned (for A/B runs)
 _ATTACH_GLOBAL, _PREFER, _ACCESSED_BY, _HOST, _DEVICE = 1, 3, 5, 2, 1  # CUDA driver API enums (cuda.h)
 _live = {"allocations": 0, "bytes": 0}  # managed stores not yet freed
 _ranges: list[tuple[int, int]] = []      # their (start, end) addresses, sorted
@@ -66,13 +68,13 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (CUresult {rc})")
 
 
-def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host tensor (zeroed where managed) that kernels on `device` read in place."""
+def host_empty(shape, dtype: torch.dtype, device: torch.device, managed: bool = False) -> torch.Tensor:
+    """A host tensor that kernels on `device` read in place: pinned, or managed (and zeroed) if `managed`."""
     device = torch.device(device)
     if device.type != "cuda":
         return torch.empty(shape, dtype=dtype)
     nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-    if MANAGED and nbytes > 0:
+    if managed and MANAGED and nbytes > 0:
         try:
             buffer = _managed_buffer(nbytes, torch.cuda.current_device() if device.index is None else device.index)
         except (OSError, RuntimeError):

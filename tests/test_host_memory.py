@@ -11,7 +11,7 @@ from tailorkv.ops.host_memory import gpu_readable, host_empty, managed_bytes
 
 
 def test_without_cuda_a_store_is_plain_host_memory():
-    t = host_empty((2, 3, 4), torch.bfloat16, torch.device("cpu"))
+    t = host_empty((2, 3, 4), torch.bfloat16, torch.device("cpu"), managed=True)
     assert t.shape == (2, 3, 4) and t.dtype == torch.bfloat16 and t.device.type == "cpu"
     assert not gpu_readable(t)
 
@@ -20,7 +20,7 @@ def test_without_cuda_a_store_is_plain_host_memory():
 def test_managed_store_is_read_and_written_in_place():
     B, H, N, X = 1, 4, 5000, 256
     before = managed_bytes()
-    store = host_empty((B, H, N, X), torch.bfloat16, torch.device("cuda"))
+    store = host_empty((B, H, N, X), torch.bfloat16, torch.device("cuda"), managed=True)
     assert managed_bytes() - before == store.numel() * 2, "expected a managed store"
     assert store.device.type == "cpu" and gpu_readable(store) and gpu_readable(store[:, 2, 4000:])
     assert not gpu_readable(store.clone())
@@ -42,8 +42,10 @@ def test_managed_store_is_read_and_written_in_place():
 
 
 @pytest.mark.cuda
-def test_pinned_when_managed_is_off(monkeypatch):
-    monkeypatch.setattr(host_memory, "MANAGED", False)
+def test_pinned_unless_asked_and_allowed(monkeypatch):
     before = managed_bytes()
     t = host_empty((4, 8), torch.float32, torch.device("cuda"))
+    assert t.is_pinned() and gpu_readable(t) and managed_bytes() == before
+    monkeypatch.setattr(host_memory, "MANAGED", False)
+    t = host_empty((4, 8), torch.float32, torch.device("cuda"), managed=True)
     assert t.is_pinned() and gpu_readable(t) and managed_bytes() == before

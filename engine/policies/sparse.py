@@ -69,9 +69,9 @@ class SparseOffloadCache(LayerCache):
         else:
             self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
-        # a token's K and V rows side by side (one 2D-row run per token and head): the decode step reads both,
-        # and one run touches half the host pages of two separate stores; mapped with large pages on a GPU
-        self.host_kv = host_empty((B, H, N, 2, D), spec.dtype, spec.device)
+        # a token's K and V rows side by side (one 2D-row run per token and head): the decode step reads both;
+        # sketch-ahead reads its rows beside the GEMVs, from large GPU pages (ops/host_memory.py)
+        self.host_kv = host_empty((B, H, N, 2, D), spec.dtype, spec.device, settings.select == "sketch-ahead")
         self.host_k, self.host_v = self.host_kv[:, :, :, 0], self.host_kv[:, :, :, 1]
         self.host_kt = host_empty((B, H, D, N), spec.dtype, spec.device) if self.sketch is None else None  # paper's
         dev = dict(dtype=spec.dtype, device=spec.device)
