@@ -39,39 +39,6 @@ __device__ __forceinline__ float dot8(const uint4 w, const float* xf) {
          + lo_f(w.z, T{}) * xf[4] + hi_f(w.z, T{}) * xf[5] + lo_f(w.w, T{}) * xf[6] + hi_f(w.w, T{}) * xf[7];
 }
 
-template <typename T>
-__device__ __forceinline__ void gemv(const uint4* x, const uint4* w, unsigned short* y, const int N, const int kc,
-                                     const long long ldw) {
-    __shared__ float part[THREADS / 32][ROWS];
-    const int r0 = blockIdx.x * ROWS;
-    const int nr = min(ROWS, N - r0);
-    float acc[ROWS];
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
-    #pragma unroll 4
-    for (int c = threadIdx.x; c < kc; c += THREADS) {
-        const uint4 xv = __ldg(x + c);
-        float xf[8] = {lo_f(xv.x, T{}), hi_f(xv.x, T{}), lo_f(xv.y, T{}), hi_f(xv.y, T{}),
-                       lo_f(xv.z, T{}), hi_f(xv.z, T{}), lo_f(xv.w, T{}), hi_f(xv.w, T{})};
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-            if (r < nr) acc[r] += dot8<T>(load_stream(w + (r0 + r) * ldw + c), xf);
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        for (int o = 16; o; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-        if (lane == 0) part[warp][r] = acc[r];
-    }
-    __syncthreads();
-    if (threadIdx.x < nr) {
-        float s = 0.f;
-        #pragma unroll
-        for (int i = 0; i < THREADS / 32; ++i) s += part[i][threadIdx.x];
-        y[r0 + threadIdx.x] = round_to(s, T{});
-    }
-}
-
 __device__ __forceinline__ float dot16_fp8(const uint4 w, const float* xf) {  // 16 e4m3 codes, byte i = element i
     const unsigned words[4] = {w.x, w.y, w.z, w.w};
     float s = 0.f;
@@ -87,25 +54,47 @@ __device__ __forceinline__ float dot16_fp8(const uint4 w, const float* xf) {  //
 }
 
 template <typename T>
-__device__ __forceinline__ void gemv_fp8(const uint4* x, const uint4* w, const float* scale, unsigned short* y,
-                                         const int N, const int kc, const long long ldw) {
-    // kc: K / 16 (a 16-byte chunk of a row holds 16 codes; x's 16 values are two uint4), ldw in chunks
+struct Halves {   // a 16-byte chunk of a weight row: 8 bf16/fp16 values; x's 8 values
+    static constexpr int UNROLL = 4;
+    float xf[8];
+    __device__ __forceinline__ Halves(const uint4* x, const int c) {
+        const uint4 v = __ldg(x + c);
+        const unsigned u[4] = {v.x, v.y, v.z, v.w};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) { xf[2 * i] = lo_f(u[i], T{}); xf[2 * i + 1] = hi_f(u[i], T{}); }
+    }
+    __device__ __forceinline__ float dot(const uint4 w) const { return dot8<T>(w, xf); }
+};
+
+template <typename T>
+struct E4m3 {     // a 16-byte chunk of a weight row: 16 e4m3 codes; x's 16 values (two uint4)
+    static constexpr int UNROLL = 2;
+    float xf[16];
+    __device__ __forceinline__ E4m3(const uint4* x, const int c) {
+        const uint4 a = __ldg(x + 2 * c), b = __ldg(x + 2 * c + 1);
+        const unsigned u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) { xf[2 * i] = lo_f(u[i], T{}); xf[2 * i + 1] = hi_f(u[i], T{}); }
+    }
+    __device__ __forceinline__ float dot(const uint4 w) const { return dot16_fp8(w, xf); }
+};
+
+// y = (W x) [* scale per row]: kc 16-byte chunks per row of W, ldw its row stride in chunks
+template <typename T, typename Chunk>
+__device__ __forceinline__ void gemv(const uint4* x, const uint4* w, const float* scale, unsigned short* y,
+                                     const int N, const int kc, const long long ldw) {
     __shared__ float part[THREADS / 32][ROWS];
     const int r0 = blockIdx.x * ROWS;
     const int nr = min(ROWS, N - r0);
     float acc[ROWS];
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
-    #pragma unroll 2
+    #pragma unroll Chunk::UNROLL
     for (int c = threadIdx.x; c < kc; c += THREADS) {
-        const uint4 xa = __ldg(x + 2 * c), xb = __ldg(x + 2 * c + 1);
-        float xf[16] = {lo_f(xa.x, T{}), hi_f(xa.x, T{}), lo_f(xa.y, T{}), hi_f(xa.y, T{}),
-                        lo_f(xa.z, T{}), hi_f(xa.z, T{}), lo_f(xa.w, T{}), hi_f(xa.w, T{}),
-                        lo_f(xb.x, T{}), hi_f(xb.x, T{}), lo_f(xb.y, T{}), hi_f(xb.y, T{}),
-                        lo_f(xb.z, T{}), hi_f(xb.z, T{}), lo_f(xb.w, T{}), hi_f(xb.w, T{})};
+        const Chunk chunk(x, c);
         #pragma unroll
         for (int r = 0; r < ROWS; ++r)
-            if (r < nr) acc[r] += dot16_fp8(load_stream(w + (r0 + r) * ldw + c), xf);
+            if (r < nr) acc[r] += chunk.dot(load_stream(w + (r0 + r) * ldw + c));
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     #pragma unroll
@@ -118,26 +107,26 @@ __device__ __forceinline__ void gemv_fp8(const uint4* x, const uint4* w, const f
         float s = 0.f;
         #pragma unroll
         for (int i = 0; i < THREADS / 32; ++i) s += part[i][threadIdx.x];
-        y[r0 + threadIdx.x] = round_to(s * scale[r0 + threadIdx.x], T{});
+        y[r0 + threadIdx.x] = round_to(scale ? s * scale[r0 + threadIdx.x] : s, T{});
     }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) gemv_fp8_bf16(const uint4* x, const uint4* w,
         const float* scale, unsigned short* y, const int N, const int kc, const long long ldw) {
-    gemv_fp8<bf16>(x, w, scale, y, N, kc, ldw);
+    gemv<bf16, E4m3<bf16>>(x, w, scale, y, N, kc, ldw);
 }
 extern "C" __global__ void __launch_bounds__(THREADS) gemv_fp8_f16(const uint4* x, const uint4* w,
         const float* scale, unsigned short* y, const int N, const int kc, const long long ldw) {
-    gemv_fp8<f16>(x, w, scale, y, N, kc, ldw);
+    gemv<f16, E4m3<f16>>(x, w, scale, y, N, kc, ldw);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) gemv_bf16(const uint4* x, const uint4* w, unsigned short* y,
                                                                 const int N, const int kc, const long long ldw) {
-    gemv<bf16>(x, w, y, N, kc, ldw);
+    gemv<bf16, Halves<bf16>>(x, w, nullptr, y, N, kc, ldw);
 }
 extern "C" __global__ void __launch_bounds__(THREADS) gemv_f16(const uint4* x, const uint4* w, unsigned short* y,
                                                                const int N, const int kc, const long long ldw) {
-    gemv<f16>(x, w, y, N, kc, ldw);
+    gemv<f16, Halves<f16>>(x, w, nullptr, y, N, kc, ldw);
 }
 """
 NAMES = {torch.bfloat16: "gemv_bf16", torch.float16: "gemv_f16"}
