@@ -15,7 +15,7 @@ import struct
 
 import torch
 
-from contention import dense_gemvs
+from contention import dense_gemvs, graph_of, replay_timed
 from tailorkv.engine.results import environment, write_json
 from tailorkv.ops import host_gather_cuda
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr
@@ -151,26 +151,14 @@ def step_graph(compute, select, side, dense_layer, sel, gat, chained: bool):
             done = torch.cuda.Event()
             done.record(s)
             compute.wait_event(done)
-    torch.cuda.synchronize()
-    with torch.cuda.stream(compute):
-        queue()  # warm-up
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=compute):
-        queue()
-    torch.cuda.synchronize()
-    return g
+    return graph_of(queue, compute)
 
 
 def replay_ms(g, stream, reps):
     ts = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            a.record(stream)
-            g.replay()
-            b.record(stream)
+        a, b = replay_timed(g, stream)
         torch.cuda.synchronize()
         ts.append(a.elapsed_time(b))
     return round(statistics.median(ts), 4)

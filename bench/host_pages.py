@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from contention import dense_gemvs
+from contention import dense_gemvs, replay_timed
 from green_split import BITS, D, HKV, K, LAYERS, N, replay_ms, step_graph
 from tailorkv.engine.results import environment, write_json
 from tailorkv.ops import host_gather_cuda
@@ -114,17 +114,10 @@ def split_ms(g_dense, g_side, compute, side, reps):
     d, s = [], []
     for _ in range(reps):
         torch.cuda.synchronize()
-        ev = []
-        for g, st in ((g_side, side), (g_dense, compute)):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(st):
-                a.record(st)
-                g.replay()
-                b.record(st)
-            ev.append((a, b))
+        side_ev, dense_ev = replay_timed(g_side, side), replay_timed(g_dense, compute)
         torch.cuda.synchronize()
-        s.append(ev[0][0].elapsed_time(ev[0][1]))
-        d.append(ev[1][0].elapsed_time(ev[1][1]))
+        s.append(side_ev[0].elapsed_time(side_ev[1]))
+        d.append(dense_ev[0].elapsed_time(dense_ev[1]))
     return round(statistics.median(d), 4), round(statistics.median(s), 4)
 
 
