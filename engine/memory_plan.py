@@ -122,7 +122,9 @@ def estimate(cfg, settings: MethodSettings, layer_names: list[str], ctx: int, ba
                                                             dtype_bytes)
              + layer_names.count("full") * 2 * batch * cfg.n_kv_heads * ctx * cfg.head_dim * dtype_bytes
              + sparse * sparse_layer_bytes(cfg, settings, ctx, batch, dtype_bytes))
-    return Estimate(weight_bytes(cfg, dtype_bytes), prefill_activation_bytes(cfg, ctx, batch, dtype_bytes),
+    q_rows = cfg.n_heads * cfg.head_dim  # --predict-weights fp8: a byte per W_q weight and a scale per row
+    copies = cfg.n_layers * q_rows * (cfg.dim + 4) if settings.predict_weights == "fp8" else 0
+    return Estimate(weight_bytes(cfg, dtype_bytes) + copies, prefill_activation_bytes(cfg, ctx, batch, dtype_bytes),
                     sketch, other)
 
 

@@ -24,6 +24,9 @@ def test_estimate_matches_the_measured_peak_at_128k():
     assert abs(estimate(LLAMA8B, TKV, NAMES, 131036).total / GIB - (18.21 - 0.98)) < 0.2
     assert abs(e.weights / 1e9 - 15.01) < 0.01          # 8.03e9 parameters less the 0.53e9 of the host table, bf16
     assert estimate(LLAMA8B, TKV, NAMES, 131036).sketch == 0
+    # sixteenth session: --predict-weights fp8 (e4m3 copies of every layer's W_q) peaked at 19.86 GiB, 4 bits
+    fp8 = estimate(LLAMA8B, replace(TKV, select="sketch-ahead", sketch_bits=4, predict_weights="fp8"), NAMES, 131036)
+    assert abs(fp8.total / GIB - 19.86) < 0.2 and abs((fp8.weights - e.weights) / GIB - 0.5) < 0.01
 
 
 def test_sketch_bytes_are_the_key_sketch_buffers():
