@@ -21,8 +21,7 @@ import torch
 
 MANAGED = True  # False: every store pinned (for A/B runs)
 _ATTACH_GLOBAL, _PREFER, _ACCESSED_BY, _HOST, _DEVICE = 1, 3, 5, 2, 1  # CUDA driver API enums (cuda.h)
-_live = {"allocations": 0, "bytes": 0}  # managed stores not yet freed
-_ranges: list[tuple[int, int]] = []      # their (start, end) addresses, sorted
+_ranges: list[tuple[int, int]] = []  # (start, end) addresses of the managed stores not yet freed, sorted
 
 
 class _Location(ctypes.Structure):  # CUmemLocation
@@ -34,16 +33,12 @@ class _Managed:
 
     def __init__(self, addr: int, nbytes: int, cu):
         self.addr, self.nbytes, self.cu = addr, nbytes, cu
-        _live["allocations"] += 1
-        _live["bytes"] += nbytes
         bisect.insort(_ranges, (addr, addr + nbytes))
 
     def __del__(self):
         try:
             _ranges.remove((self.addr, self.addr + self.nbytes))
             self.cu.cuMemFree_v2(ctypes.c_ulonglong(self.addr))
-            _live["allocations"] -= 1
-            _live["bytes"] -= self.nbytes
         except Exception:  # interpreter shutdown
             pass
 
@@ -86,7 +81,7 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device, managed: bool = 
 
 def managed_bytes() -> int:
     """Host bytes in managed stores now (freed with their last tensor)."""
-    return _live["bytes"]
+    return sum(end - start for start, end in _ranges)
 
 
 def gpu_readable(t: torch.Tensor) -> bool:

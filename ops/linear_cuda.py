@@ -4,6 +4,8 @@ block reduction per row and one rounding to the output dtype. Many small blocks 
 over every SM without a tail wave; each thread has ROWS * UNROLL loads in flight."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -137,9 +139,22 @@ def source() -> str:
     return _SOURCE % dict(threads=THREADS, rows=ROWS)
 
 
+@functools.cache
+def _module():
+    return compile_module(source())
+
+
+def _gemv(kernel, x: torch.Tensor, n: int, weight_args: tuple, kc: int, ldw: int) -> torch.Tensor:
+    """y [..., n] in x's dtype from one launch over the weight's rows (weight_args: its pointer, and its scales')."""
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if n:
+        launch(kernel, (-(-n // ROWS),), (THREADS,), (ptr(x), *weight_args, ptr(y), np.int32(n), np.int32(kc),
+                                                      np.int64(ldw)), x.device)
+    return y
+
+
 def load(reference):
-    mod = compile_module(source())
-    kernels = {dt: mod.get_function(name) for dt, name in NAMES.items()}
+    kernels = {dt: _module().get_function(name) for dt, name in NAMES.items()}
 
     def linear(x, weight):
         """Kernel for one row (x.numel() == K) of bf16/fp16 with weight rows contiguous, K % 8 == 0 and 16-byte
@@ -151,20 +166,13 @@ def load(reference):
               and aligned(x, 16) and aligned(weight, 16))
         if not ok:
             return reference(x, weight)
-        N = weight.shape[0]
-        y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-        if N:
-            launch(kernels[x.dtype], (-(-N // ROWS),), (THREADS,),
-                   (ptr(x), ptr(weight), ptr(y), np.int32(N), np.int32(K // 8), np.int64(weight.stride(0) // 8)),
-                   x.device)
-        return y
+        return _gemv(kernels[x.dtype], x, weight.shape[0], (ptr(weight),), K // 8, weight.stride(0) // 8)
 
     return linear
 
 
 def load_fp8(reference):
-    mod = compile_module(source())
-    kernels = {dt: mod.get_function(name) for dt, name in FP8_NAMES.items()}
+    kernels = {dt: _module().get_function(name) for dt, name in FP8_NAMES.items()}
 
     def linear_fp8(x, codes, scale):
         """Kernel for one row of bf16/fp16 (x.numel() == K) with e4m3 rows contiguous, K % 16 == 0, 16-byte aligned
@@ -177,12 +185,6 @@ def load_fp8(reference):
               and aligned(x, 16) and aligned(codes, 16))
         if not ok:
             return reference(x, codes, scale)
-        N = codes.shape[0]
-        y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-        if N:
-            launch(kernels[x.dtype], (-(-N // ROWS),), (THREADS,),
-                   (ptr(x), ptr(codes), ptr(scale), ptr(y), np.int32(N), np.int32(K // 16),
-                    np.int64(codes.stride(0) // 16)), x.device)
-        return y
+        return _gemv(kernels[x.dtype], x, codes.shape[0], (ptr(codes), ptr(scale)), K // 16, codes.stride(0) // 16)
 
     return linear_fp8

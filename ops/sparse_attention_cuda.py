@@ -170,7 +170,7 @@ def load(reference):
             ok = (host_k is not None and host_v is not None and host_k.dtype == q.dtype
                   and host_v.dtype == q.dtype and host_k.stride() == host_v.stride() and host_k.stride(-1) == 1
                   and host_k.shape == host_v.shape and host_k.shape[:2] == (B, Hkv)
-                  and all((not t.is_cuda and gpu_readable(t)) or (t.is_cuda and t.device == dev) for t in (host_k, host_v))
+                  and all(t.device == dev if t.is_cuda else gpu_readable(t) for t in (host_k, host_v))
                   and pos.dtype == torch.int64 and pos.device == dev and pos.shape == (B, Hkv, K)
                   and pos.stride(-1) == 1 and (not rows_gathered or host_k.shape[2] == K))
         if not ok:
