@@ -5,10 +5,9 @@ Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row w
 (the sketch scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless);
 no-gather (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N
 (the short-row gather's blocks, threads per block, reads in flight per thread); refresh-threads-N,
-refresh-unroll-N (the row cache kernel's block size and reads in flight per thread); sketch-bps-N (the sketch
-kernel's grid ahead of its layer sized for N blocks per SM under --predict-ahead 2 or more,
-SketchSelector.AHEAD_BLOCKS_PER_SM); sketch-grid-N (the same at any --predict-ahead, 1 included);
-predict-after-qkv (the next layer's prediction queued
+refresh-unroll-N (the row cache kernel's block size and reads in flight per thread); sketch-grid-N (the sketch
+kernel's grid ahead of its layer sized for N blocks per SM at any --predict-ahead, SketchSelector.AHEAD_BLOCKS_PER_SM;
+0: the full wave); predict-after-qkv (the next layer's prediction queued
 after the qkv projection); sketch-after-qkv (only its sketch, top-K and gather queued after it);
 select-priority-0 (the select stream at normal priority); host-pinned (the sparse layers' host stores pinned,
 not ops/host_memory.py's managed memory); embed-device (an untied embedding table kept on the
@@ -71,17 +70,9 @@ def patch_one(variant: str) -> None:
         kernel, knob, value = variant.split("-")
         module, names = KERNEL_KNOBS[kernel]
         setattr(importlib.import_module(f"tailorkv.ops.{module}"), names[knob], int(value))
-    elif variant.startswith("sketch-grid-"):  # the sketch grid sized for N blocks per SM at any --predict-ahead
-        blocks = float(variant.rsplit("-", 1)[1])
-        make = sketch.SketchSelector.of.__func__
-
-        def of(cls, settings, spec, topk):
-            sel = make(cls, settings, spec, topk)
-            sel.ahead_grid = blocks
-            return sel
-        sketch.SketchSelector.of = classmethod(of)
-    elif variant.startswith("sketch-bps-"):
-        sketch.SketchSelector.AHEAD_BLOCKS_PER_SM = float(variant.rsplit("-", 1)[1])  # read when the layers are built
+    elif variant.startswith("sketch-grid-"):  # read when the layers are built
+        blocks = float(variant.rsplit("-", 1)[1]) or None
+        sketch.SketchSelector.AHEAD_BLOCKS_PER_SM = {1: blocks, 2: blocks}
     elif variant != "none":
         raise SystemExit(f"unknown variant {variant!r}")
 

@@ -365,10 +365,10 @@ def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(
 
 
 @pytest.mark.parametrize("ahead", [1, 2, 4])
-def test_sketch_ahead_narrows_the_sketch_grid_only_when_predicted_two_or_more_layers_early(gen, ahead, monkeypatch):
-    """--predict-ahead 2+: the sketch kernel ahead of its layer runs on AHEAD_BLOCKS_PER_SM blocks per SM (room for
-    the compute stream; measured faster then, slower one layer ahead); a layer that selects from its own query
-    inside the step keeps the full wave."""
+def test_sketch_ahead_narrows_the_sketch_grid_by_how_far_ahead_the_query_is_predicted(gen, ahead, monkeypatch):
+    """The sketch kernel ahead of its layer runs on AHEAD_BLOCKS_PER_SM[1] blocks per SM one layer ahead,
+    AHEAD_BLOCKS_PER_SM[2] two or more (room for the compute stream); a layer that selects from its own query inside
+    the step keeps the full wave."""
     from tailorkv.engine.policies.sketch import KeySketch
     grids = []
     scores = KeySketch.scores
@@ -381,7 +381,8 @@ def test_sketch_ahead_narrows_the_sketch_grid_only_when_predicted_two_or_more_la
     q1, k1, v1 = qkv(gen, 1, 6, 2, 1, 32)
     lay.attend(q1, k1, v1, 300, q_hat=q1)   # predicted: ahead of the layer
     lay.attend(q1, k1, v1, 301)             # no prediction: inside the step
-    assert grids == [SketchSelector.AHEAD_BLOCKS_PER_SM if ahead > 1 else None, None]   # None: the full wave
+    assert grids == [SketchSelector.AHEAD_BLOCKS_PER_SM[min(ahead, 2)], None]   # None: the full wave
+    assert SketchSelector.AHEAD_BLOCKS_PER_SM[1] != SketchSelector.AHEAD_BLOCKS_PER_SM[2]
 
 
 @pytest.mark.parametrize("bits", [2, 4])

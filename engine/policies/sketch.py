@@ -111,16 +111,17 @@ class SketchSelector(TokenSelector):
     # rows, and the row cache cost 6.49 -> 6.69-6.97 ms/token; real weights share far more (SmolLM2-135M at 8k on
     # the H200: 81%, PCIe 19.0 -> 3.6 MiB/token), not yet timed on a real 8B.
     REUSE_ROWS = False
-    # the sketch kernel's grid ahead of its layer when the query is predicted 2+ layers early (--predict-ahead):
-    # one block per SM leaves room on every SM for the compute stream's GEMVs, and the longer kernel has layers to
-    # hide in. On the H200 at 128k (2 bits): 2 layers ahead 6.38 -> 6.10-6.12 ms/token, 4 ahead 6.00-6.04 (half a
-    # block per SM: 6.71); 1 layer ahead it is slower, 6.43 -> 6.84, so that keeps the full wave of 4 per SM
-    # (bench/results/2026-12-01-h200-fourteenth-session)
-    AHEAD_BLOCKS_PER_SM = 1
+    # the sketch kernel's grid ahead of its layer, in blocks per SM, by how many layers early the query is predicted
+    # (--predict-ahead 1, 2 or more): a partial wave leaves room on every SM for the compute stream's GEMVs.
+    # On the H200 at 128k: 1 ahead (4 bits) 6.09-6.12 ms/token with the full wave of 4 per SM, 5.93-5.96 with
+    # 1.5, 5.97-6.00 with 2, 5.95 with 2.5, 6.01 with 3, 6.17 with 1, 6.92 with 0.5 (32k 5.51 -> 5.37, 8k 5.20 ->
+    # 5.15; bench/results/2026-12-01-h200-seventeenth-session); 2 ahead (2 bits) 6.38 -> 6.10-6.12 with 1,
+    # 4 ahead 6.00-6.04 (bench/results/2026-12-01-h200-fourteenth-session)
+    AHEAD_BLOCKS_PER_SM = {1: 1.5, 2: 1.0}
 
     @classmethod
     def of(cls, settings, spec, topk: int) -> "SketchSelector":
-        grid = cls.AHEAD_BLOCKS_PER_SM if settings.predict_ahead > 1 else None
+        grid = cls.AHEAD_BLOCKS_PER_SM[min(settings.predict_ahead, 2)]
         return cls(settings.combine_rule, settings.select == "sketch-ahead", spec, topk, grid)
 
     def __init__(self, rule: str = "lse", ahead: bool = False, spec=None, topk: int = 0,
