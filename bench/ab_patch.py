@@ -10,7 +10,8 @@ kernel's grid ahead of its layer sized for N blocks per SM at any --predict-ahea
 0: the full wave); predict-after-qkv (the next layer's prediction queued
 after the qkv projection); sketch-after-qkv (only its sketch, top-K and gather queued after it);
 select-priority-0 (the select stream at normal priority); host-pinned (the sparse layers' host stores pinned,
-not ops/host_memory.py's managed memory); embed-device (an untied embedding table kept on the
+not ops/host_memory.py's managed memory); hostcopy-dma (rows written into managed stores by the DMA, not the SMs);
+hostcopy-blocks-N (the SMs' copy kernel's blocks); embed-device (an untied embedding table kept on the
 device, not in pinned host memory); several joined by "+". (Queries predicted N layers ahead: --predict-ahead N.)"""
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import torch
 
 # variant prefix -> (the kernel's module in ops/, its constants by variant name), read when the kernel loads
 KERNEL_KNOBS = {"gather": ("host_gather_cuda", {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL"}),
-                "refresh": ("row_cache_cuda", {"threads": "THREADS", "unroll": "UNROLL"})}
+                "refresh": ("row_cache_cuda", {"threads": "THREADS", "unroll": "UNROLL"}),
+                "hostcopy": ("host_copy", {"blocks": "BLOCKS"})}
 
 
 def patch(variants: str) -> None:
@@ -62,6 +64,9 @@ def patch_one(variant: str) -> None:
     elif variant == "host-pinned":  # the host stores in pinned memory, not managed memory kept on the host
         from tailorkv.ops import host_memory
         host_memory.MANAGED = False
+    elif variant == "hostcopy-dma":  # device rows into managed stores by the DMA engines, not the SMs' stores
+        from tailorkv.ops import host_copy
+        host_copy.SM_WRITES = False
     elif variant == "reuse-on":
         sketch.SketchSelector.REUSE_ROWS = True
     elif variant == "no-gather":

@@ -27,7 +27,7 @@ for c in d["cells"]:
     if c.get("status") != "ok":
         print(c.get("status"), c.get("error")); continue
     st = c.get("stages", {})
-    print(f"ctx {c['ctx']}: {c['decode_ms']['median']:.3f} ms/token (p90 {c['decode_ms']['p90']:.3f}), "
+    print(f"ctx {c['ctx']}: prefill {c['prefill_s']:.2f} s, {c['decode_ms']['median']:.3f} ms/token (p90 {c['decode_ms']['p90']:.3f}), "
           f"PCIe {c['pcie_bytes_per_token'] / 2**20:.1f} MiB/token, row cache {c.get('row_cache')}, "
           f"peak {c['peak_device_bytes'] / 2**30:.2f} GiB (prefill {c['peak_device_prefill_bytes'] / 2**30:.2f})")
     print(f"   gpu busy {st.get('gpu_busy_ms', 0):.3f}, streams {st.get('stream_busy_ms')}")

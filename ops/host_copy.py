@@ -8,12 +8,30 @@ Where the leading dims do not collapse (a head's rows of an interleaved K/V stor
 The torch reference is `dst.copy_(src)` (for a strided host side torch stages the data and copies it row by
 row on the CPU: ~1.5 GB/s measured on the H200 machine). The CUDA path is one cudaMemcpy2DAsync on torch's
 current stream: the DMA engines move the rows at PCIe speed, the host is not held, and the copy overlaps work
-on other streams."""
+on other streams. Into a managed store (ops/host_memory.py) the DMA copies were slow (a 128k prefill of Llama-3.1-8B
+took 12.3-15.5 s instead of 11.3-11.8 with pinned stores), so there a kernel writes the rows over PCIe with the
+SMs' 16-byte stores (through the store's GPU mapping, as the gathers read it), on BLOCKS blocks."""
 from __future__ import annotations
 
 import torch
 
+from tailorkv.ops import cuda_launch
 from tailorkv.ops.dispatch import op, register_kernel
+from tailorkv.ops.host_memory import is_managed
+
+SM_WRITES, BLOCKS, THREADS = True, 16, 256  # SM_WRITES False: the DMA into managed stores too (for A/B runs)
+
+_SOURCE = r"""
+extern "C" __global__ void copy_rows16(const uint4* src, uint4* dst, const long long rows, const long long words,
+                                       const long long src_pitch, const long long dst_pitch) {
+    const long long items = rows * words;   // 16-byte words; pitches in words
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items; i += step) {
+        const long long r = i / words, w = i - r * words;
+        dst[r * dst_pitch + w] = src[r * src_pitch + w];
+    }
+}
+"""
 
 
 def _contiguous_tail(t: torch.Tensor) -> int:
@@ -68,6 +86,21 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def _load():
     import cupy
+    import numpy as np
+
+    copy_rows16 = cuda_launch.compile_module(_SOURCE).get_function("copy_rows16")
+
+    def sm_writes(dst, src, rows, width, dpitch, spitch) -> bool:
+        """Rows of src (device) into a managed dst by the SMs, where every row and pitch is whole 16-byte words."""
+        elt = dst.element_size()
+        if not (SM_WRITES and src.is_cuda and is_managed(dst)):
+            return False
+        if any((x * elt) % 16 for x in (width, dpitch, spitch)) or dst.data_ptr() % 16 or src.data_ptr() % 16:
+            return False
+        words = [np.int64(x * elt // 16) for x in (width, spitch, dpitch)]
+        cuda_launch.launch(copy_rows16, (BLOCKS,), (THREADS,),
+                           (cuda_launch.ptr(src), cuda_launch.ptr(dst), np.int64(rows), *words), src.device)
+        return True
 
     def host_copy_2d(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         plan = rows_plan(dst, src) if dst.dtype == src.dtype and dst.is_cuda != src.is_cuda else None
@@ -78,7 +111,7 @@ def _load():
                 return dst
             return host_copy.reference(dst, src)
         rows, width, dpitch, spitch = plan
-        if rows * width == 0:
+        if rows * width == 0 or sm_writes(dst, src, rows, width, dpitch, spitch):
             return dst
         elt = dst.element_size()
         dev = src.device if src.is_cuda else dst.device

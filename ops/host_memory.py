@@ -84,12 +84,15 @@ def managed_bytes() -> int:
     return sum(end - start for start, end in _ranges)
 
 
-def gpu_readable(t: torch.Tensor) -> bool:
-    """On the GPU, in pinned memory or in a managed store of host_empty."""
-    if t.is_cuda or t.is_pinned():
-        return True
-    if not _ranges or t.numel() == 0:
+def is_managed(t: torch.Tensor) -> bool:
+    """In a managed store of host_empty."""
+    if not _ranges or t.numel() == 0 or t.is_cuda:
         return False
     p = t.data_ptr()
     i = bisect.bisect_right(_ranges, (p, float("inf"))) - 1
     return i >= 0 and _ranges[i][0] <= p < _ranges[i][1]
+
+
+def gpu_readable(t: torch.Tensor) -> bool:
+    """On the GPU, in pinned memory or in a managed store of host_empty."""
+    return t.is_cuda or t.is_pinned() or is_managed(t)

@@ -49,3 +49,31 @@ def test_pinned_unless_asked_and_allowed(monkeypatch):
     monkeypatch.setattr(host_memory, "MANAGED", False)
     t = host_empty((4, 8), torch.float32, torch.device("cuda"), managed=True)
     assert t.is_pinned() and gpu_readable(t) and managed_bytes() == before
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sm_writes", [True, False])
+def test_device_rows_into_a_managed_store_by_the_sms_or_the_dma(sm_writes, monkeypatch):
+    """host_copy into a managed store: the prompt's chunks (K and V interleaved, [B, H, m, 2, D] into the middle of
+    [B, H, N, 2, D]), one head's K rows (per-head copies), and rows that are not whole 16-byte words (the DMA);
+    each equal to the source, nothing outside written, whichever path writes them."""
+    from tailorkv.ops import cuda_launch
+    from tailorkv.ops import host_copy as host_copy_module
+    monkeypatch.setattr(host_copy_module, "SM_WRITES", sm_writes)
+    launched, launch = [], cuda_launch.launch
+    monkeypatch.setattr(cuda_launch, "launch", lambda *a, **kw: launched.append(a) or launch(*a, **kw))
+    B, H, N, D = 2, 8, 3000, 64
+    kv = host_empty((B, H, N, 2, D), torch.bfloat16, torch.device("cuda"), managed=True)
+    assert host_memory.is_managed(kv[:, :, 5:]) and not host_memory.is_managed(kv.clone())
+    kv.fill_(float("nan"))
+    k = torch.randn(B, H, 700, D, device="cuda").bfloat16()
+    host_copy(kv[:, :, 1000:1700], torch.stack([k, -k], 3))
+    host_copy(kv[:, :, 1700:2400, 0], k)                        # host_k's rows, head by head
+    odd = torch.randn(B, H, 5, 3, device="cuda").bfloat16()     # 6-byte rows: no 16-byte words
+    host_copy(kv[:, :, 2400:2405, 0, :3], odd)
+    torch.cuda.synchronize()
+    assert torch.equal(kv[:, :, 1000:1700, 0], k.cpu()) and torch.equal(kv[:, :, 1000:1700, 1], -k.cpu())
+    assert torch.equal(kv[:, :, 1700:2400, 0], k.cpu()) and kv[:, :, 1700:2400, 1].isnan().all()
+    assert torch.equal(kv[:, :, 2400:2405, 0, :3], odd.cpu()) and kv[:, :, 2400:2405, 0, 3:].isnan().all()
+    assert kv[:, :, :1000].isnan().all() and kv[:, :, 2405:].isnan().all()
+    assert len(launched) == (1 + B * H if sm_writes else 0)   # the chunk in one launch, host_k's rows per head
