@@ -8,9 +8,9 @@ Where the leading dims do not collapse (a head's rows of an interleaved K/V stor
 The torch reference is `dst.copy_(src)` (for a strided host side torch stages the data and copies it row by
 row on the CPU: ~1.5 GB/s measured on the H200 machine). The CUDA path is one cudaMemcpy2DAsync on torch's
 current stream: the DMA engines move the rows at PCIe speed, the host is not held, and the copy overlaps work
-on other streams. Into a managed store (ops/host_memory.py) the DMA copies were slow (a 128k prefill of Llama-3.1-8B
+on other streams. Into a managed store (ops/host_memory.py) the DMA copies are slow (a 128k prefill of Llama-3.1-8B
 took 12.3-15.5 s instead of 11.3-11.8 with pinned stores), so there a kernel writes the rows over PCIe with the
-SMs' 16-byte stores (through the store's GPU mapping, as the gathers read it), on BLOCKS blocks."""
+SMs' 16-byte stores (through the store's GPU mapping, as the gathers read it) on BLOCKS blocks: 11.5-11.7 s."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +19,10 @@ from tailorkv.ops import cuda_launch
 from tailorkv.ops.dispatch import op, register_kernel
 from tailorkv.ops.host_memory import is_managed
 
-SM_WRITES, BLOCKS, THREADS = True, 16, 256  # SM_WRITES False: the DMA into managed stores too (for A/B runs)
+# 64 blocks: a 128k prefill of Llama-3.1-8B with sketch-ahead's managed store took 11.52-11.70 s on the H200 (128
+# blocks: 11.56, 16: 14.48; the DMA: 12.37-13.14; the full cache 11.45), decode unchanged (5.95-5.96 ms/token;
+# bench/results/2026-12-01-h200-seventeenth-session). SM_WRITES False: the DMA into managed stores too (A/B runs).
+SM_WRITES, BLOCKS, THREADS = True, 64, 256
 
 _SOURCE = r"""
 extern "C" __global__ void copy_rows16(const uint4* src, uint4* dst, const long long rows, const long long words,

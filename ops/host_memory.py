@@ -6,8 +6,9 @@ gigabytes costs few address translations. Pinned memory (cudaHostAlloc) is mappe
 with 31 layers' K/V stores (15.5 GiB), the gather of 896 x 8 rows of 512 B per layer beside the dense GEMVs took
 4.84 ms for 31 layers from pinned memory and 3.07 ms from managed memory, which reads as fast as a 0.5 GiB pinned
 store does (bench/host_pages.py, bench/results/2026-12-01-h200-sixteenth-session). The DMA copies into a managed
-store are slower, though: a 128k prefill of Llama-3.1-8B took 12.3-15.0 s instead of 11.3-11.8, so only the stores
-read row by row under the dense GEMVs (sketch-ahead's) ask for it (`managed=True`). Without CUDA (or where the
+store are slower, though (a 128k prefill of Llama-3.1-8B: 12.3-15.0 s instead of 11.3-11.8; ops/host_copy.py writes
+them with the SMs instead), so only the stores read row by row under the dense GEMVs (sketch-ahead's) ask for it
+(`managed=True`). Without CUDA (or where the
 driver refuses managed memory) a store is ordinary (pinned on a CUDA device) torch memory.
 
 The tensors are CPU tensors to torch, which does not call managed memory pinned (is_pinned is False, or True,
@@ -70,8 +71,10 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device, managed: bool = 
         return torch.empty(shape, dtype=dtype)
     nbytes = dtype.itemsize * int(torch.Size(shape).numel())
     if managed and MANAGED and nbytes > 0:
+        index = torch.cuda.current_device() if device.index is None else device.index
+        torch.cuda.synchronize(index)  # the driver calls below need the device's context, which torch makes lazily
         try:
-            buffer = _managed_buffer(nbytes, torch.cuda.current_device() if device.index is None else device.index)
+            buffer = _managed_buffer(nbytes, index)
         except (OSError, RuntimeError):
             pass  # no driver library or no managed memory: pinned
         else:

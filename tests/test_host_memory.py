@@ -77,3 +77,14 @@ def test_device_rows_into_a_managed_store_by_the_sms_or_the_dma(sm_writes, monke
     assert torch.equal(kv[:, :, 2400:2405, 0, :3], odd.cpu()) and kv[:, :, 2400:2405, 0, 3:].isnan().all()
     assert kv[:, :, :1000].isnan().all() and kv[:, :, 2405:].isnan().all()
     assert len(launched) == (1 + B * H if sm_writes else 0)   # the chunk in one launch, host_k's rows per head
+
+
+@pytest.mark.cuda
+def test_a_managed_store_as_the_first_cuda_work_of_a_process():
+    """host_empty before anything else in the process has touched the device (no context yet) is still managed."""
+    import subprocess
+    import sys
+    code = ("import torch; from tailorkv.ops.host_memory import host_empty, managed_bytes; "
+            "t = host_empty((4, 1024), torch.bfloat16, torch.device('cuda'), managed=True); "
+            "assert managed_bytes() == t.numel() * 2, 'pinned, not managed'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
