@@ -254,9 +254,13 @@ def test_sparse_decode_attention_reference_equals_the_policy_math(B, Hq, Hkv, D,
     want_dev = policy_math(q, dev_k, dev_v, None, None, None, position, tail_start, sink)
     assert rel_err(sparse_decode_attention(q, dev_k, dev_v, None, None, None, position, tail_start, sink),
                    want_dev) < 1e-5
-    # bf16 inputs: the policy rounds scores and probabilities to bf16, the op keeps them in fp32
+    # bf16 inputs: the policy's math on the same bf16 inputs (its products rounded alike), and near the fp32 math:
+    # over 300 seeds per case at most 4.1% from it (the 300-key case, whose output averages many random values into
+    # a short vector), 1.5% elsewhere; the old 2% bound failed about one seed in 30
     b16 = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in args]
-    assert rel_err(sparse_decode_attention(*b16, sink), want) < 2e-2
+    got16 = sparse_decode_attention(*b16, sink)
+    assert rel_err(got16, policy_math(*b16, sink)) < 1e-2
+    assert rel_err(got16, want) < 8e-2
 
 
 def test_sparse_decode_attention_reference_never_reads_rows_that_are_not_held():
