@@ -8,8 +8,8 @@ with 31 layers' K/V stores (15.5 GiB), the gather of 896 x 8 rows of 512 B per l
 store does (bench/host_pages.py, bench/results/2026-12-01-h200-sixteenth-session). The DMA copies into a managed
 store are slower, though (a 128k prefill of Llama-3.1-8B: 12.3-15.0 s instead of 11.3-11.8; ops/host_copy.py writes
 them with the SMs instead), so only the stores read row by row under the dense GEMVs (sketch-ahead's) ask for it
-(`managed=True`). Without CUDA (or where the
-driver refuses managed memory) a store is ordinary (pinned on a CUDA device) torch memory.
+(`managed=True`). Without CUDA (or where the driver refuses managed memory) a store is ordinary (pinned on a CUDA
+device) torch memory.
 
 The tensors are CPU tensors to torch, which does not call managed memory pinned (is_pinned is False, or True,
 depending on how torch asks); `gpu_readable` is the one test of whether a kernel may read a tensor."""
