@@ -60,6 +60,17 @@ def dense_gemvs(dev):
     return dense
 
 
+def gather_inputs(dev: torch.device, k: int, bits: int):
+    """One sparse layer's pinned K/V store [1, HKV, N, 2D], k random row indices, a device buffer for the k
+    gathered rows, a `bits` sketch of random keys and a query of 32 heads."""
+    host = torch.randn(1, HKV, N, 2 * D, dtype=torch.bfloat16).pin_memory()
+    idx = torch.randint(0, N, (1, HKV, k), device=dev)
+    rows = torch.empty(1, HKV, k, 2 * D, device=dev, dtype=torch.bfloat16)
+    sketch = quantize_sketch(torch.randn(1, HKV, N, D, device=dev), bits, 64)
+    q = torch.randn(1, 32, 1, D, device=dev, dtype=torch.bfloat16)
+    return host, idx, rows, sketch, q
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -69,11 +80,7 @@ def main():
     dev = torch.device("cuda")
     dense = dense_gemvs(dev)
 
-    host = torch.randn(1, HKV, N, 2 * D, dtype=torch.bfloat16).pin_memory()
-    idx = torch.randint(0, N, (1, HKV, K), device=dev)
-    rows = torch.empty(1, HKV, K, 2 * D, device=dev, dtype=torch.bfloat16)
-    sketch = quantize_sketch(torch.randn(1, HKV, N, D, device=dev), 2, 64)
-    q = torch.randn(1, 32, 1, D, device=dev, dtype=torch.bfloat16)
+    host, idx, rows, sketch, q = gather_inputs(dev, K, 2)
     end = torch.tensor(N, device=dev)
 
     def gather():

@@ -15,12 +15,11 @@ import struct
 
 import torch
 
-from contention import dense_gemvs, graph_of, replay_timed
+from contention import dense_gemvs, gather_inputs, graph_of, replay_timed
 from tailorkv.engine.results import environment, write_json
 from tailorkv.ops import host_gather_cuda
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 from tailorkv.ops.host_gather import gather_rows
-from tailorkv.ops.quant import quantize_sketch
 from tailorkv.ops.sparse_select import sketch_scores, topk_tokens
 from tailorkv.ops.topk_carry import TopKCarry
 
@@ -173,11 +172,7 @@ def main():
     a = ap.parse_args()
     dev = torch.device("cuda")
     dense = dense_gemvs(dev)
-    host = torch.randn(1, HKV, N, 2 * D, dtype=torch.bfloat16).pin_memory()
-    idx = torch.randint(0, N, (1, HKV, K), device=dev)
-    rows = torch.empty(1, HKV, K, 2 * D, device=dev, dtype=torch.bfloat16)
-    sketch = quantize_sketch(torch.randn(1, HKV, N, D, device=dev), BITS, 64)
-    q = torch.randn(1, 32, 1, D, device=dev, dtype=torch.bfloat16)
+    host, idx, rows, sketch, q = gather_inputs(dev, K, BITS)
     end = torch.tensor(N, device=dev)
     pos = torch.empty(1, HKV, K, dtype=torch.long, device=dev)
     carry = TopKCarry(HKV, K, dev)

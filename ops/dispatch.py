@@ -1,6 +1,7 @@
 """The one dispatch rule for every op: tensors the GPU can read (on the GPU, or in host memory it maps: pinned or
 ops/host_memory.py's stores, which kernels read zero-copy), at least one on the GPU, and a loadable kernel -> the
-kernel; else the torch reference. Kernels register themselves by op name; a kernel that fails to build is remembered as absent."""
+kernel; else the torch reference. Kernels register themselves by op name; a kernel that fails to build is
+remembered as absent."""
 from __future__ import annotations
 
 import os
