@@ -112,6 +112,8 @@ def test_interactive_chat_commands():
     (["--own-query-below", "0.3"], ["--own-query-below has no effect under full", "tailorkv"]),
     (["--method", "tailorkv", "--predict-ahead", "0"], ["--predict-ahead must be at least 1"]),
     (["--predict-ahead", "2"], ["--predict-ahead has no effect under full", "tailorkv"]),
+    (["--method", "tailorkv", "--predict-weights", "int4"], ["'int4' is not one of 'bf16', 'fp8'"]),
+    (["--predict-weights", "fp8"], ["--predict-weights has no effect under full", "tailorkv"]),
     (["--temp", "-1"], ["--temperature must be >= 0"]),
     (["--top-p", "0"], ["--top-p must be in (0, 1]"]),
     (["--min-p", "1.5"], ["--min-p must be in [0, 1)"]),
