@@ -1,46 +1,50 @@
 // quant_decode_attention kernels (ops/quant_decode_cuda.py compiles them with BITS, D, G, CT, S, STAGES, WARPS,
-// qtype and vtype defined): a decode query's whole attention over packed 1/2-bit keys and values (layouts in
+// MINB, qtype and vtype defined): a decode query's whole attention over packed 1/2-bit keys and values (layouts in
 // ops/quant.py) in one pass over the packed bytes, split over the tokens (flash-decoding).
 //
-// quant_attn_partial: one block per (chunk of CT tokens, batch row and KV head), all G query heads of it. Each
-// warp owns CT / WARPS consecutive tokens and walks them one 64-token key group at a time (the group's packed
-// keys, values, scales and mins staged with cp.async, STAGES deep), flash-attention style, in registers:
-//   1. the group's scores on the tensor cores: A = q * 2^e in fp16 (rows g, g + 8 = heads), B = code bit ?
-//      scale : 0 (the code words rotated so that a lane's token bit is a byte's sign, which a byte permute
-//      replicates into a mask over the scale), the min term seeding the accumulators;
-//   2. an online softmax per head in log2 units: the running max m and sum l, the value accumulators rescaled
-//      only when some lane's max grows; each probability splits into two fp16 parts, hi + lo;
-//   3. the values on the tensor cores, A straight from the score accumulators (the C fragments of two 8-token
-//      tiles are the A fragment of one 16-token tile): G <= 8: rows g = hi, g + 8 = lo of head g; G > 8: rows
-//      g, g + 8 = heads g, g + 8, one MMA per part. B = code bit ? scale : 0 (bit 1 of a 2-bit code:
-//      2 * scale); the tokens' mins one more MMA (B column = channel group). Positions from p - R on are staged
-//      as zero codes and take their exact values from the ring (slot = position % (R + 1));
-//   4. the warps' (m, l, sums) merged in shared memory into the block's.
-// quant_attn_reduce: per (batch row, query head, 32 channels), the chunks merged in order: o = sum w_c acc_c /
-// sum w_c l_c with w_c = exp(m_c - max m), lse = max m + log(sum w_c l_c). Deterministic, no atomics.
+// quant_attn_partial: one block per (chunk of CT tokens, batch row and KV head), all G query heads of it. Each warp
+// walks CT / WARPS consecutive tokens one 64-token group at a time (the group's packed keys, values, scales and mins
+// staged with cp.async, STAGES deep). Both products put the packed side in the MMA's A operand, where one AND turns
+// a shifted copy of the code word into a fragment register of exact fp16 values code * code_unit(j), the row's
+// 1 / code_unit applied to its accumulators afterwards. B carries the fp16 operand split over the columns: column
+// 2h = hi, 2h + 1 = lo of query head 4 nn + h (NN tiles of 4 heads), so a lane's accumulator pair (c0 + c1) is one
+// head's sum to about fp32 precision.
+//   1. scores: M = 64 tokens (row g + 8h of m-tile mt = token 8g + 2mt + h: lane g's tokens are the byte / half
+//      word g of the group's codes), K = channels (k 2c, 2c+1, 2c+8, 2c+9 of k-tile kt = channels 16kt + 4c +
+//      0..3), B = q * key scale (per group and channel) as hi = q*s, lo = fma(q, s, -hi) in fp16; the min term
+//      q . min one more MMA per k-tile with A = the mins in every row and B = q;
+//   2. an online softmax per head in log2 units (lane c holds head 4nn + c, tokens 8g .. 8g + 7);
+//   3. values: M = channels (row g + 8h of m-tile mt = channel 64 gd + 8g + 2 (mt % 4) + h, gd = its scale
+//      group), K = 64 tokens (k 2c, 2c+1, 2c+8, 2c+9 of k-tile kt = tokens 16kt + 4c + 0..3), B = p * value
+//      scale (per token) split hi / lo from p's fp16 hi + lo, which go through shared memory (written in the
+//      score layout, read in the B layout); the value mins one MMA per k-tile (A row gd = the tokens' mins of
+//      group gd, B = p hi / lo). Positions from p - R on are staged as zero codes and take their exact values
+//      from the ring (slot = position % (R + 1));
+//   4. the warps' (m, l, sums) merged in shared memory into the block's, in quant_attn_reduce's input format.
 #define CPW (32 / BITS)
-#define KT (D / 16)
+#define KT (D / 16)                 // 16-channel k-tiles of the scores
 #define KROWS (64 / CPW)            // key code word rows per 64-token group
-#define NT (CPW / 8)                // 8-token MMA tiles per key word row
-#define NTG 8                       // 8-token tiles per group
 #define WPT (D / CPW)               // value code words per token
 #define VG (D < 64 ? D : 64)        // channels per value scale group
 #define NGD (D / VG)
-#define NTILE (D / 8)               // 8-channel tiles of the value product
-#define TPW (CPW / 8)               // 8-channel tiles per value word
+#define MTV (D / 16)                // 16-channel m-tiles of the values
+#define NN ((G + 3) / 4)            // 4-head column tiles
 #define TW (CT / WARPS)             // tokens per warp
-#define RH (G > 8 ? 2 : 1)          // heads per lane (g, and g + 8 when G > 8), and value MMAs per tile: one
-                                    // (rows g, g + 8 = hi, lo) or one per part (rows = heads)
 #define OFF_KS (KROWS * D)          // a stage: key codes, D fp16 scales + D fp16 mins,
 #define OFF_V (OFF_KS + D)          //   value codes [64][WPT],
 #define OFF_VS (OFF_V + 64 * WPT)   //   value fp16 scales [64][NGD], then mins
 #define STAGE_WORDS (OFF_VS + 64 * NGD)
+#define P_STRIDE 36                 // words per (head, part) row of p: 64 fp16 + 4 words of padding (banks)
+#define P_WORDS (4 * NN * 2 * P_STRIDE)
+#define WARP_WORDS (STAGES * STAGE_WORDS + P_WORDS)
 #define MERGE_WORDS (WARPS * G * D + 2 * WARPS * G)   // after the walk: the warps' sums, maxima and totals
-#define SMEM_WORDS (WARPS * STAGES * STAGE_WORDS > MERGE_WORDS ? WARPS * STAGES * STAGE_WORDS : MERGE_WORDS)
+#define SMEM_WORDS (WARPS * WARP_WORDS > MERGE_WORDS ? WARPS * WARP_WORDS : MERGE_WORDS)
 #define NTHR (WARPS * 32)
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+
+__device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }   // |k| < 127
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -57,10 +61,53 @@ __device__ __forceinline__ void split_pair(float x, float y, unsigned& hi, unsig
     lo = *reinterpret_cast<const unsigned*>(&l);
 }
 
-__device__ __forceinline__ unsigned twice(unsigned s) {   // 2 * an fp16 pair (exact)
-    __half2 h = *reinterpret_cast<__half2*>(&s);
-    h = __hadd2(h, h);
-    return *reinterpret_cast<unsigned*>(&h);
+__device__ __forceinline__ unsigned h2mul(unsigned a, unsigned b) {
+    const __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+}
+
+__device__ __forceinline__ unsigned h2fma(unsigned a, unsigned b, unsigned c) {
+    const __half2 r = __hfma2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b),
+                              *reinterpret_cast<__half2*>(&c));
+    return *reinterpret_cast<const unsigned*>(&r);
+}
+
+// A fragment registers from a lane's two 8-code fields (low and high half word of x, code j at bits [j BITS,
+// (j + 1) BITS)): copies of x shifted so that code j sits at bit code_pos(j) of each half, and one AND per register.
+// The fp16 value is code * code_unit(j): positions 6..9 are subnormals >= 2^-18 (the tensor cores keep ~24 bits
+// of products of subnormals down to about 2^-17 and lose one more per power of two below: bench/probes), 1-bit
+// positions 10..14 are the exponent's bits, so a set bit is the normal number 2^(2^(P - 10) - 15).
+#define NCOPY (BITS == 1 ? 1 : 4)
+__device__ __forceinline__ void code_copies(unsigned x, unsigned (&y)[NCOPY]) {
+    if (BITS == 1) { y[0] = x << 7; }
+    else { y[0] = x << 6; y[NCOPY - 3] = x << 2; y[NCOPY - 2] = x >> 2; y[NCOPY - 1] = x >> 6; }
+}
+__device__ __forceinline__ constexpr int code_pos(int j) { return BITS == 1 ? 7 + j : (j % 2 ? 8 : 6); }
+__device__ __forceinline__ unsigned code_bits(const unsigned (&y)[NCOPY], int j) {
+    return y[BITS == 1 ? 0 : j / 2] & ((BITS == 1 ? 0x00010001u : 0x00030003u) << code_pos(j));
+}
+__device__ __forceinline__ float code_unit(int j) {
+    const int P = code_pos(j);
+    return P <= 9 ? pow2(P - 24) : pow2((1 << (P - 10)) - 15);
+}
+
+// fp16 pairs (ph + plo) * s split over the lanes: hi = ph s where lo_mask = 0 (even lanes, plo = 0 there), lo =
+// plo s + (ph s - hi) where lo_mask = ~0 (odd lanes)
+__device__ __forceinline__ unsigned split_product(unsigned ph, unsigned s, unsigned lo_mask) {
+    return h2fma(ph, s, (h2mul(ph, s) ^ 0x80008000u) & lo_mask);
+}
+__device__ __forceinline__ unsigned split_product(unsigned ph, unsigned plo, unsigned s, unsigned lo_mask) {
+    return h2fma(plo, s, split_product(ph, s, lo_mask));
+}
+
+// a warp stages BYTES (a multiple of 16) from src to shared dst with cp.async, all of them valid
+template <int BYTES> __device__ __forceinline__ void stage_all(void* dst, const void* src, int lane) {
+    #pragma unroll
+    for (int j = 0; j < (BYTES / 16 + 31) / 32; ++j) {
+        const int k = lane + 32 * j;
+        if (BYTES % 512 == 0 || k < BYTES / 16)
+            cp_async16(static_cast<char*>(dst) + 16 * k, static_cast<const char*>(src) + 16 * k, 16);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
@@ -80,6 +127,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
     const int chunk = gridDim.x - 1 - blockIdx.x;          // the last chunk (the ring's) starts first
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const unsigned lo_mask = g & 1 ? ~0u : 0u;             // B column 2h + 1: the lo part
     const long long nk = min(*nk_ptr, (long long)T), pos = *p_ptr;
     const long long vq = pos - R > 0 ? pos - R : 0;       // positions before it: quantized values
     const long long t0 = (long long)chunk * CT;
@@ -92,8 +140,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
         return;
     }
 
-    // ---- q as MMA A fragments: rows g, g + 8 (heads past G: zero), k slots 2c, 2c+1, 2c+8, 2c+9 = channels
-    //      16 kt + 4c + 0..3 (any order works if A and B agree) ----
+    // ---- q * 2^e (its largest |value| in [0.5, 1): q * scale stays in fp16's range) as B fragments: column g =
+    //      head 4 nn + g / 2, k rows 2c, 2c+1 (reg 0) and 2c+8, 2c+9 (reg 1) = channels 16 kt + 4c + 0..3;
+    //      part s of an fp32 q (hi, lo) ----
     const qtype* qb = q + b * qsb + (long long)kvh * G * qsh;
     float amax = 0.f;
     for (int i = threadIdx.x; i < G * D; i += NTHR) amax = fmaxf(amax, fabsf(to_float(qb[(i / D) * qsh + i % D])));
@@ -101,31 +150,43 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
     if (lane == 0) wred[warp] = amax;
     __syncthreads();
     for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, wred[w]);
-    int e = 0;  // q * 2^e has its largest |value| in [2^14, 2^15): fp16 keeps every bit of a bf16/fp16 q
-    if (amax > 0.f) { int E; frexpf(amax, &E); e = 15 - E; }
-    const float xs = ldexpf(sm_scale, -e) * LOG2E;         // accumulator -> score in log2 units
-    unsigned qa[S][KT][4];
+    int e = 0;
+    if (amax > 0.f) e = 126 - (int)((__float_as_uint(amax) >> 23) & 0xff);   // amax * 2^e in [0.5, 1)
+    e = max(e, -126);                                      // (an fp32 subnormal amax: its largest power of two)
+    const float qscale = pow2(e), xs = sm_scale * pow2(-e) * LOG2E;   // score sum -> score in log2 units
+    unsigned qf[S][NN][KT][2];
     #pragma unroll
     for (int s = 0; s < S; ++s)
     #pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-        const int d = 16 * kt + 4 * c;
-        #pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-            const int row = g + 8 * ri;
-            float x[4];
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) x[j] = row < G ? to_float(qb[row * qsh + d + j]) : 0.f;
-            qa[s][kt][ri] = q_part(x[0], x[1], e, s);
-            qa[s][kt][2 + ri] = q_part(x[2], x[3], e, s);
+    for (int nn = 0; nn < NN; ++nn)
+    #pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = 4 * nn + g / 2, d = 16 * kt + 4 * c + 2 * r;
+        const float x0 = h < G ? to_float(qb[h * qsh + d]) : 0.f, x1 = h < G ? to_float(qb[h * qsh + d + 1]) : 0.f;
+        const __half2 hi = __floats2half2_rn(x0 * qscale, x1 * qscale);
+        if (s == 0) {
+            qf[s][nn][kt][r] = *reinterpret_cast<const unsigned*>(&hi);
+        } else {                                           // an fp32 q: its lo part
+            const float2 f = __half22float2(hi);
+            const __half2 lo = __floats2half2_rn(x0 * qscale - f.x, x1 * qscale - f.y);
+            qf[s][nn][kt][r] = *reinterpret_cast<const unsigned*>(&lo);
         }
     }
+    float fs[8];                                           // per code i: the row factor 2^(24 - shift) * xs
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) fs[i] = xs / code_unit(i);
+    const unsigned bsel = (g * BITS) % 4;                  // the byte of a word where this lane's field starts
+    const unsigned fsel = BITS == 1 ? bsel | (bsel << 4) | ((4 + bsel) << 8) | ((4 + bsel) << 12)
+                                    : bsel | ((bsel + 1) << 4) | ((4 + bsel) << 8) | ((5 + bsel) << 12);
 
     // ---- each warp's tokens, group by group ----
     const long long w0 = t0 + (long long)warp * TW;
     const int nval = (int)max(0LL, min((long long)TW, nk - w0));
     const int ngrp = (nval + 63) / 64;
-    unsigned* wst = smem + warp * STAGES * STAGE_WORDS;
+    unsigned* wst = smem + warp * WARP_WORDS;
+    unsigned* pw = wst + STAGES * STAGE_WORDS;             // p: [4 NN heads][hi, lo][64 tokens] fp16, rows padded
     const unsigned* kc_b = kcodes + b * kcb + kvh * kch;
     const __half* ks_b = kscale + b * ksb + kvh * ksh;
     const __half* km_b = kmin + b * kmb + kvh * kmh;
@@ -134,198 +195,193 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
     const __half* vm_b = vmin + b * vmb + kvh * vmh;
     const vtype* rg_b = ring + b * rsb + kvh * rsh;
 
-    float o[NTILE][4], macc[4], m_run[RH], l_run[RH];
+    float o[NN][MTV][4], macc[NN][4], m_run[NN], l_run[NN];
     #pragma unroll
-    for (int nt = 0; nt < NTILE; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-    macc[0] = macc[1] = macc[2] = macc[3] = 0.f;
-    #pragma unroll
-    for (int r = 0; r < RH; ++r) { m_run[r] = NEG_INF; l_run[r] = 0.f; }
-    unsigned rot[BITS];   // key token / value channel 8t + g: bit pb lands on the sign bit of byte t * BITS
-    #pragma unroll
-    for (int pb = 0; pb < BITS; ++pb) rot[pb] = (unsigned)(7 - BITS * g - pb) & 31u;
+    for (int nn = 0; nn < NN; ++nn) {
+        #pragma unroll
+        for (int mt = 0; mt < MTV; ++mt) o[nn][mt][0] = o[nn][mt][1] = o[nn][mt][2] = o[nn][mt][3] = 0.f;
+        macc[nn][0] = macc[nn][1] = macc[nn][2] = macc[nn][3] = 0.f;
+        m_run[nn] = NEG_INF;
+        l_run[nn] = 0.f;
+    }
 
     auto issue = [&](int i) {
         unsigned* st = wst + (i % STAGES) * STAGE_WORDS;
         const long long tg = w0 + 64LL * i;
-        const int nv = (int)max(0LL, min(64LL, vq - tg));                   // quantized values in the group
-        stage_copy<16>(st, kc_b + (tg / CPW) * D, KROWS * D * 4, KROWS * D * 4, lane);
-        stage_copy<16>(st + OFF_KS, ks_b + (tg / 64) * D, D * 2, D * 2, lane);
-        stage_copy<16>(st + OFF_KS + D / 2, km_b + (tg / 64) * D, D * 2, D * 2, lane);
-        stage_copy<16>(st + OFF_V, vc_b + tg * WPT, 64 * WPT * 4, nv * WPT * 4, lane);
-        stage_copy<16>(st + OFF_VS, vs_b + tg * NGD, 64 * NGD * 2, nv * NGD * 2, lane);
-        stage_copy<16>(st + OFF_VS + 32 * NGD, vm_b + tg * NGD, 64 * NGD * 2, nv * NGD * 2, lane);
+        stage_all<KROWS * D * 4>(st, kc_b + (tg / CPW) * D, lane);
+        stage_all<D * 2>(st + OFF_KS, ks_b + (tg / 64) * D, lane);
+        stage_all<D * 2>(st + OFF_KS + D / 2, km_b + (tg / 64) * D, lane);
+        if (vq - tg >= 64) {
+            stage_all<64 * WPT * 4>(st + OFF_V, vc_b + tg * WPT, lane);
+            stage_all<64 * NGD * 2>(st + OFF_VS, vs_b + tg * NGD, lane);
+            stage_all<64 * NGD * 2>(st + OFF_VS + 32 * NGD, vm_b + tg * NGD, lane);
+        } else {                                                            // zeros from position vq on
+            const int nv = (int)max(0LL, vq - tg);
+            stage_copy<16>(st + OFF_V, vc_b + tg * WPT, 64 * WPT * 4, nv * WPT * 4, lane);
+            stage_copy<16>(st + OFF_VS, vs_b + tg * NGD, 64 * NGD * 2, nv * NGD * 2, lane);
+            stage_copy<16>(st + OFF_VS + 32 * NGD, vm_b + tg * NGD, 64 * NGD * 2, nv * NGD * 2, lane);
+        }
     };
 
     auto body = [&](int i) {
         const unsigned* st = wst + (i % STAGES) * STAGE_WORDS;
         const long long tg = w0 + 64LL * i;
-        // ---- 1. scores: x[nt][j] for tokens tg + 8 nt + 2c + (j & 1), rows g (j < 2), g + 8 (j >= 2) ----
+        // ---- 1. scores ----
+        const unsigned* kw = st + (g * BITS / 4) * D;     // the code row holding this lane's tokens
         const __half* ks = reinterpret_cast<const __half*>(st + OFF_KS);
         const __half* km = ks + D;
-        float bias[4] = {0.f, 0.f, 0.f, 0.f};
+        float acc[NN][4][4], bias[NN][4];
+        #pragma unroll
+        for (int nn = 0; nn < NN; ++nn) {
+            bias[nn][0] = bias[nn][1] = bias[nn][2] = bias[nn][3] = 0.f;
+            #pragma unroll
+            for (int mt = 0; mt < 4; ++mt) acc[nn][mt][0] = acc[nn][mt][1] = acc[nn][mt][2] = acc[nn][mt][3] = 0.f;
+        }
         #pragma unroll
         for (int kt = 0; kt < KT; ++kt) {
-            const uint2 mn = *reinterpret_cast<const uint2*>(km + 16 * kt + 4 * c);
+            const uint4 w = *reinterpret_cast<const uint4*>(kw + 16 * kt + 4 * c);
+            const uint2 sp = *reinterpret_cast<const uint2*>(ks + 16 * kt + 4 * c);
+            const unsigned* mn = reinterpret_cast<const unsigned*>(km + 16 * kt + 4 * c);
+            unsigned x01[NCOPY], x23[NCOPY];
+            code_copies(prmt(w.x, w.y, fsel), x01);
+            code_copies(prmt(w.z, w.w, fsel), x23);
+            const unsigned am[4] = {mn[0], 0u, mn[1], 0u};  // the mins in row g (rows g + 8: 0)
             #pragma unroll
-            for (int s = 0; s < S; ++s) mma_f16(bias, qa[s][kt], mn.x, mn.y);
-        }
-        float x[NTG][4];
-        #pragma unroll
-        for (int rr = 0; rr < KROWS; ++rr) {
-            float acc[NT][BITS][4];
+            for (int s = 0; s < S; ++s)
             #pragma unroll
-            for (int t = 0; t < NT; ++t)
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                acc[t][0][j] = bias[j];
-                if (BITS == 2) acc[t][BITS - 1][j] = 0.f;
-            }
-            #pragma unroll
-            for (int kt = 0; kt < KT; ++kt) {
-                const uint4 w = *reinterpret_cast<const uint4*>(st + rr * D + 16 * kt + 4 * c);
-                const uint2 sp = *reinterpret_cast<const uint2*>(ks + 16 * kt + 4 * c);
+            for (int nn = 0; nn < NN; ++nn) {
+                const unsigned b0 = split_product(qf[s][nn][kt][0], sp.x, lo_mask);
+                const unsigned b1 = split_product(qf[s][nn][kt][1], sp.y, lo_mask);
+                mma_f16(bias[nn], am, qf[s][nn][kt][0], qf[s][nn][kt][1]);   // column 2h: q . min
                 #pragma unroll
-                for (int pb = 0; pb < BITS; ++pb) {
-                    const unsigned w0r = rotl(w.x, rot[pb]), w1r = rotl(w.y, rot[pb]);
-                    const unsigned w2r = rotl(w.z, rot[pb]), w3r = rotl(w.w, rot[pb]);
-                    #pragma unroll
-                    for (int t = 0; t < NT; ++t) {
-                        const unsigned bi = t * BITS;
-                        const unsigned sel = (8u | bi) | ((8u | bi) << 4) | ((12u | bi) << 8) | ((12u | bi) << 12);
-                        const unsigned m0 = prmt(w0r, w1r, sel) & sp.x, m1 = prmt(w2r, w3r, sel) & sp.y;
-                        #pragma unroll
-                        for (int s = 0; s < S; ++s) mma_f16(acc[t][pb], qa[s][kt], m0, m1);
-                    }
+                for (int mt = 0; mt < 4; ++mt) {
+                    const unsigned a[4] = {code_bits(x01, 2 * mt), code_bits(x01, 2 * mt + 1),
+                                           code_bits(x23, 2 * mt), code_bits(x23, 2 * mt + 1)};
+                    mma_f16(acc[nn][mt], a, b0, b1);
                 }
             }
+        }
+        float x[NN][8];                                    // head 4 nn + c, token 8g + j, log2 units
+        #pragma unroll
+        for (int nn = 0; nn < NN; ++nn) {
+            const float bs = bias[nn][0] * xs;
             #pragma unroll
-            for (int t = 0; t < NT; ++t)
-            #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                x[rr * NT + t][j] = (acc[t][0][j] + (BITS == 2 ? 2.f * acc[t][BITS - 1][j] : 0.f)) * xs;
+            for (int mt = 0; mt < 4; ++mt) {
+                x[nn][2 * mt] = fmaf(acc[nn][mt][0] + acc[nn][mt][1], fs[2 * mt], bs);
+                x[nn][2 * mt + 1] = fmaf(acc[nn][mt][2] + acc[nn][mt][3], fs[2 * mt + 1], bs);
+            }
         }
         if (tg + 64 > nk) {
             #pragma unroll
-            for (int nt = 0; nt < NTG; ++nt)
+            for (int nn = 0; nn < NN; ++nn)
             #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                if (tg + 8 * nt + 2 * c + (j & 1) >= nk) x[nt][j] = NEG_INF;
+            for (int j = 0; j < 8; ++j)
+                if (tg + 8 * g + j >= nk) x[nn][j] = NEG_INF;
         }
 
-        // ---- 2. online softmax per head ----
-        float p[NTG][RH][2];
+        // ---- 2. online softmax per head; p hi / lo to shared memory ----
+        float p[NN][8];
         bool grows = false;
-        float m_new[RH];
+        float m_new[NN];
         #pragma unroll
-        for (int r = 0; r < RH; ++r) {
-            float gm = NEG_INF;
+        for (int nn = 0; nn < NN; ++nn) {
+            float gm = x[nn][0];
             #pragma unroll
-            for (int nt = 0; nt < NTG; ++nt) gm = fmaxf(gm, fmaxf(x[nt][2 * r], x[nt][2 * r + 1]));
-            gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, 1));
-            gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, 2));
-            m_new[r] = fmaxf(m_run[r], gm);
-            grows |= m_new[r] > m_run[r];
+            for (int j = 1; j < 8; ++j) gm = fmaxf(gm, x[nn][j]);
+            gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, 4));
+            gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, 8));
+            gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, 16));
+            m_new[nn] = fmaxf(m_run[nn], gm);
+            grows |= m_new[nn] > m_run[nn];
         }
         if (__any_sync(0xffffffffu, grows)) {
-            float f[RH];
             #pragma unroll
-            for (int r = 0; r < RH; ++r) {
-                f[r] = ex2(m_run[r] - m_new[r]);   // the first group: ex2(-inf) = 0
-                l_run[r] *= f[r];
-                m_run[r] = m_new[r];
-            }
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float fj = f[RH == 1 ? 0 : j / 2];
-                macc[j] *= fj;
+            for (int nn = 0; nn < NN; ++nn) {
+                const float f = ex2(m_run[nn] - m_new[nn]);   // the first group: ex2(-inf) = 0
+                l_run[nn] *= f;
+                m_run[nn] = m_new[nn];
                 #pragma unroll
-                for (int nt = 0; nt < NTILE; ++nt) o[nt][j] *= fj;
+                for (int j = 0; j < 4; ++j) {
+                    macc[nn][j] *= f;
+                    #pragma unroll
+                    for (int mt = 0; mt < MTV; ++mt) o[nn][mt][j] *= f;
+                }
             }
         }
         #pragma unroll
-        for (int nt = 0; nt < NTG; ++nt)
-        #pragma unroll
-        for (int r = 0; r < RH; ++r)
-        #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            p[nt][r][j] = ex2(x[nt][2 * r + j] - m_run[r]);
-            l_run[r] += p[nt][r][j];
+        for (int nn = 0; nn < NN; ++nn) {
+            unsigned hi[4], lo[4];
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                p[nn][j] = ex2(x[nn][j] - m_run[nn]);
+                l_run[nn] += p[nn][j];
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) split_pair(p[nn][2 * j], p[nn][2 * j + 1], hi[j], lo[j]);
+            unsigned* row = pw + (4 * nn + c) * 2 * P_STRIDE + 4 * g;
+            *reinterpret_cast<uint4*>(row) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            *reinterpret_cast<uint4*>(row + P_STRIDE) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
         }
+        __syncwarp();
 
-        // ---- 3. values: 16-token tiles u, this lane's tokens ta, ta + 1 (b0) and ta + 8, ta + 9 (b1) ----
+        // ---- 3. values ----
         const unsigned* vw = st + OFF_V;                       // [64][WPT]
         const __half* vs = reinterpret_cast<const __half*>(st + OFF_VS);
         const __half* vm = vs + 64 * NGD;
         #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            unsigned af[RH][4];
-            if (RH == 1) {
-                split_pair(p[2 * u][0][0], p[2 * u][0][1], af[0][0], af[0][1]);
-                split_pair(p[2 * u + 1][0][0], p[2 * u + 1][0][1], af[0][2], af[0][3]);
-            } else {
-                #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                #pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    split_pair(p[2 * u + h][r % RH][0], p[2 * u + h][r % RH][1], af[0][2 * h + r],
-                               af[RH - 1][2 * h + r]);
-            }
-            const int ta = 16 * u + 2 * c;
-            unsigned wv[4][WPT];                               // the code words of tokens ta, ta + 1, ta + 8, ta + 9
+        for (int kt = 0; kt < 4; ++kt) {
+            const int ta = 16 * kt + 4 * c;                    // this lane's tokens ta .. ta + 3
+            unsigned xv[2][NGD][NCOPY];                        // [token pair][scale group][copy]
+            unsigned tw[4][NGD];                               // the words of this lane's channels, per token
             #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const unsigned* row = vw + (ta + (j & 1) + 8 * (j >> 1)) * WPT;
-                #pragma unroll
-                for (int k = 0; k < WPT; k += (WPT % 4 ? 2 : 4)) {
-                    if (WPT % 4) {
-                        const uint2 x2 = *reinterpret_cast<const uint2*>(row + k);
-                        wv[j][k] = x2.x; wv[j][k + 1] = x2.y;
-                    } else {
-                        const uint4 x4 = *reinterpret_cast<const uint4*>(row + k);
-                        wv[j][k] = x4.x; wv[j][k + 1] = x4.y; wv[j][k + 2] = x4.z; wv[j][k + 3] = x4.w;
-                    }
-                }
-            }
-            unsigned sc[2][NGD], mc[2][NGD];                   // {scale, scale} of (ta, ta + 1), (ta + 8, ta + 9)
-            #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int tk = ta + 8 * hf;
-                if (NGD == 1) {
-                    sc[hf][0] = *reinterpret_cast<const unsigned*>(vs + tk);
-                    mc[hf][0] = *reinterpret_cast<const unsigned*>(vm + tk);
-                } else {                                       // a word holds groups 0, 1 of one token
-                    const uint2 s2 = *reinterpret_cast<const uint2*>(vs + tk * NGD);
-                    const uint2 m2 = *reinterpret_cast<const uint2*>(vm + tk * NGD);
-                    sc[hf][0] = prmt(s2.x, s2.y, 0x5410u); sc[hf][NGD - 1] = prmt(s2.x, s2.y, 0x7632u);
-                    mc[hf][0] = prmt(m2.x, m2.y, 0x5410u); mc[hf][NGD - 1] = prmt(m2.x, m2.y, 0x7632u);
-                }
-            }
-            unsigned sc2[2][NGD];                              // bit 1 of a 2-bit code weighs 2 * scale (exact)
-            #pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-            #pragma unroll
-            for (int gd = 0; gd < NGD; ++gd) sc2[hf][gd] = BITS == 2 ? twice(sc[hf][gd]) : sc[hf][gd];
-            {   // the mins: B column n = channel group n
-                const unsigned b0 = g == 0 ? mc[0][0] : (NGD > 1 && g == 1) ? mc[0][NGD - 1] : 0u;
-                const unsigned b1 = g == 0 ? mc[1][0] : (NGD > 1 && g == 1) ? mc[1][NGD - 1] : 0u;
-                #pragma unroll
-                for (int pp = 0; pp < RH; ++pp) mma_f16(macc, af[pp], b0, b1);
-            }
-            #pragma unroll
-            for (int k = 0; k < WPT; ++k) {
-                #pragma unroll
-                for (int pb = 0; pb < BITS; ++pb) {
-                    const unsigned r0 = rotl(wv[0][k], rot[pb]), r1 = rotl(wv[1][k], rot[pb]);
-                    const unsigned r2 = rotl(wv[2][k], rot[pb]), r3 = rotl(wv[3][k], rot[pb]);
+                if (BITS == 1 && D == 128) {                   // one 16-byte row: words g / 4 and 2 + g / 4
+                    const uint4 r = *reinterpret_cast<const uint4*>(vw + (ta + j) * WPT);
+                    tw[j][0] = g < 4 ? r.x : r.y;
+                    tw[j][NGD - 1] = g < 4 ? r.z : r.w;
+                } else {
                     #pragma unroll
-                    for (int tt = 0; tt < TPW; ++tt) {
-                        const int nt = k * TPW + tt, gd = nt * 8 / VG;
-                        const unsigned bi = tt * BITS;
-                        const unsigned sel = (8u | bi) | ((8u | bi) << 4) | ((12u | bi) << 8) | ((12u | bi) << 12);
-                        const unsigned s0 = pb ? sc2[0][gd] : sc[0][gd], s1 = pb ? sc2[1][gd] : sc[1][gd];
-                        const unsigned b0 = prmt(r0, r1, sel) & s0, b1 = prmt(r2, r3, sel) & s1;
-                        #pragma unroll
-                        for (int pp = 0; pp < RH; ++pp) mma_f16(o[nt], af[pp], b0, b1);
+                    for (int gd = 0; gd < NGD; ++gd) tw[j][gd] = vw[(ta + j) * WPT + gd * (VG * BITS / 32) + g * BITS / 4];
+                }
+            }
+            #pragma unroll
+            for (int gd = 0; gd < NGD; ++gd)
+            #pragma unroll
+            for (int pr = 0; pr < 2; ++pr) {
+                code_copies(prmt(tw[2 * pr][gd], tw[2 * pr + 1][gd], fsel), xv[pr][gd]);
+            }
+            unsigned sc[2][NGD], mc[2];                        // scale pairs of (ta, ta + 1), (ta + 2, ta + 3)
+            if (NGD == 1) {
+                const uint2 s2 = *reinterpret_cast<const uint2*>(vs + ta);
+                const uint2 m2 = *reinterpret_cast<const uint2*>(vm + ta);
+                sc[0][0] = s2.x; sc[1][0] = s2.y;
+                mc[0] = g == 0 ? m2.x : 0u; mc[1] = g == 0 ? m2.y : 0u;
+            } else {                                           // a word holds groups 0, 1 of one token
+                const uint4 s4 = *reinterpret_cast<const uint4*>(vs + ta * NGD);
+                const uint4 m4 = *reinterpret_cast<const uint4*>(vm + ta * NGD);
+                sc[0][0] = prmt(s4.x, s4.y, 0x5410u); sc[0][NGD - 1] = prmt(s4.x, s4.y, 0x7632u);
+                sc[1][0] = prmt(s4.z, s4.w, 0x5410u); sc[1][NGD - 1] = prmt(s4.z, s4.w, 0x7632u);
+                const unsigned msel = g == 0 ? 0x5410u : 0x7632u;
+                mc[0] = g < NGD ? prmt(m4.x, m4.y, msel) : 0u;
+                mc[1] = g < NGD ? prmt(m4.z, m4.w, msel) : 0u;
+            }
+            const unsigned am[4] = {mc[0], 0u, mc[1], 0u};     // row gd: the mins of scale group gd
+            #pragma unroll
+            for (int nn = 0; nn < NN; ++nn) {
+                const unsigned* prow = pw + (4 * nn + g / 2) * 2 * P_STRIDE + ta / 2;
+                const uint2 ph = *reinterpret_cast<const uint2*>(prow);
+                const uint2 pl = *reinterpret_cast<const uint2*>(prow + P_STRIDE);
+                const unsigned plo0 = pl.x & lo_mask, plo1 = pl.y & lo_mask;
+                mma_f16(macc[nn], am, lo_mask ? pl.x : ph.x, lo_mask ? pl.y : ph.y);
+                #pragma unroll
+                for (int gd = 0; gd < NGD; ++gd) {
+                    const unsigned b0 = split_product(ph.x, plo0, sc[0][gd], lo_mask);
+                    const unsigned b1 = split_product(ph.y, plo1, sc[1][gd], lo_mask);
+                    #pragma unroll
+                    for (int m4 = 0; m4 < VG / 16; ++m4) {
+                        const unsigned a[4] = {code_bits(xv[0][gd], 2 * m4), code_bits(xv[0][gd], 2 * m4 + 1),
+                                               code_bits(xv[1][gd], 2 * m4), code_bits(xv[1][gd], 2 * m4 + 1)};
+                        mma_f16(o[nn][gd * (VG / 16) + m4], a, b0, b1);
                     }
                 }
             }
@@ -333,56 +389,52 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
 
         // ---- positions from p - R on: their exact values from the ring ----
         if (tg + 64 > vq) {
-            #pragma unroll
-            for (int nt = 0; nt < NTG; ++nt)
-            for (int cc = 0; cc < 4; ++cc)
-            #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const long long tok = tg + 8 * nt + 2 * cc + j;
-                if (tok < vq || tok >= nk) continue;
-                float pv[RH];
+            const long long e0 = max(tg, vq), e1 = min(tg + 64, nk);
+            for (long long tok = e0; tok < e1; ++tok) {
+                const int j = (int)(tok - tg);
+                const vtype* row = rg_b + (tok % (R + 1)) * D;
                 #pragma unroll
-                for (int r = 0; r < RH; ++r) pv[r] = __shfl_sync(0xffffffffu, p[nt][r][j], 4 * g + cc);
-                const vtype* row = rg_b + (tok % (R + 1)) * D + 2 * c;
-                #pragma unroll
-                for (int n2 = 0; n2 < NTILE; ++n2) {
-                    const float v0 = to_float(row[8 * n2]), v1 = to_float(row[8 * n2 + 1]);
-                    o[n2][0] += pv[0] * v0; o[n2][1] += pv[0] * v1;
-                    if (RH == 2) { o[n2][2] += pv[RH - 1] * v0; o[n2][3] += pv[RH - 1] * v1; }
+                for (int nn = 0; nn < NN; ++nn) {
+                    const __half* ph = reinterpret_cast<const __half*>(pw + (4 * nn + c) * 2 * P_STRIDE);
+                    const float pv = __half2float(ph[j]) + __half2float(ph[2 * P_STRIDE + j]);
+                    #pragma unroll
+                    for (int mt = 0; mt < MTV; ++mt) {
+                        const int i = 2 * (mt % (VG / 16)), ch = VG * (mt / (VG / 16)) + 8 * g + i;
+                        o[nn][mt][0] += pv * code_unit(i) * to_float(row[ch]);
+                        o[nn][mt][2] += pv * code_unit(i + 1) * to_float(row[ch + 1]);
+                    }
                 }
             }
         }
     };
     warp_pipeline<STAGES>(ngrp, issue, body);
 
-    // ---- 4. the warp's sums per head (row set r: head g + 8 r), then the block's ----
-    float mt[RH][NGD];                                         // the min term per head and channel group
+    // ---- 4. the warp's sums per head (lane c: head 4 nn + c), then the block's ----
+    float mterm[NN][NGD];                                      // the min term per head and scale group
     #pragma unroll
-    for (int r = 0; r < RH; ++r) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    for (int nn = 0; nn < NN; ++nn) {
         #pragma unroll
-        for (int gd = 0; gd < NGD; ++gd) {
-            const float v = RH == 1 ? macc[gd] + macc[2 + gd] : macc[2 * r + gd];   // lane c = 0: columns 0, 1
-            mt[r][gd] = __shfl_sync(0xffffffffu, v, 4 * g);
-        }
+        for (int o2 = 4; o2 < 32; o2 <<= 1) l_run[nn] += __shfl_xor_sync(0xffffffffu, l_run[nn], o2);
+        const float v = macc[nn][0] + macc[nn][1];             // lane (g < NGD, c): group g, head 4 nn + c
+        #pragma unroll
+        for (int gd = 0; gd < NGD; ++gd) mterm[nn][gd] = __shfl_sync(0xffffffffu, v, 4 * gd + c);
     }
     __syncthreads();   // every warp is done with its stages: they become the warps' sums
     float* wo = reinterpret_cast<float*>(smem);                // [WARPS][G][D]
     float* wm = wo + WARPS * G * D;                            // [WARPS][G]
     float* wl = wm + WARPS * G;
     #pragma unroll
-    for (int r = 0; r < RH; ++r) {
-        const int h = g + 8 * r;
+    for (int nn = 0; nn < NN; ++nn) {
+        const int h = 4 * nn + c;
         if (h < G) {
             #pragma unroll
-            for (int nt = 0; nt < NTILE; ++nt)
-            #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const float v = RH == 1 ? o[nt][j] + o[nt][2 + j] : o[nt][2 * r + j];
-                wo[(warp * G + h) * D + 8 * nt + 2 * c + j] = v + mt[r][nt * 8 / VG];
+            for (int mt = 0; mt < MTV; ++mt) {
+                const int gd = mt / (VG / 16), i = 2 * (mt % (VG / 16)), ch = VG * gd + 8 * g + i;
+                wo[(warp * G + h) * D + ch] = (o[nn][mt][0] + o[nn][mt][1]) / code_unit(i) + mterm[nn][gd];
+                wo[(warp * G + h) * D + ch + 1] =
+                    (o[nn][mt][2] + o[nn][mt][3]) / code_unit(i + 1) + mterm[nn][gd];
             }
-            if (c == 0) { wm[warp * G + h] = m_run[r]; wl[warp * G + h] = l_run[r]; }
+            if (g == 0) { wm[warp * G + h] = m_run[nn]; wl[warp * G + h] = l_run[nn]; }
         }
     }
     __syncthreads();
@@ -405,7 +457,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
     }
 }
 
-// per (batch row and query head, 32 channels): the chunks merged in order -> o [B*Hq, D], lse [B*Hq]
+// quant_attn_reduce: per (batch row and query head, 32 channels) the chunks merged in order -> o [B*Hq, D], lse [B*Hq]: o = sum w_c acc_c / sum w_c l_c with
+// w_c = exp(m_c - max m), lse = max m + log(sum w_c l_c). Deterministic, no atomics.
 #define RWARPS 8
 extern "C" __global__ void __launch_bounds__(RWARPS * 32) quant_attn_reduce(
         const float* __restrict__ part, const float* __restrict__ pm, const float* __restrict__ pl,

@@ -9,10 +9,12 @@ from tailorkv.ops.cuda_launch import aligned, compile_module, cu_source, launch,
 from tailorkv.ops.quant_common_cuda import C_TYPES, HELPERS
 
 WARPS, GROUP = 4, 64
-# a block's chunk is WARPS * this many tokens (whole 64-token groups). Measured at 128k, 1 bit: 256 -> 60.3 us, 128
-# -> 74.1, 512 -> 61.0, sized for one wave of blocks (704) -> 66.4 (bench/quant_decode_variants.py)
-TOKENS_PER_WARP = 256
-BLOCKS_PER_SM = {1: 3}  # resident blocks the compiler keeps registers for (1 bit: 168 registers, no spill)
+# a block's chunk is WARPS * this many tokens (whole 64-token groups); resident blocks per SM the compiler keeps
+# registers for, up to 4 query heads per KV head (1 bit: 124 registers, 2 bits: 116, no spill). Measured at 128k
+# (bench/quant_decode_variants.py, op time): 1 bit 256/3 44.2 us, 256/4 42.2, 512/3 41.7, 512/4 39.5, 1024/3 39.9,
+# 512/5 47.1; 2 bits 256/3 51.8, 512/4 46.2, 1024/3 45.7
+TOKENS_PER_WARP = 512
+BLOCKS_PER_SM = {1: 4, 2: 4}
 SMEM_LIMIT = 48 * 1024
 
 
@@ -24,8 +26,10 @@ def stage_words(bits: int, d: int) -> int:
 
 
 def shared_bytes(bits: int, d: int, g: int, stages: int) -> int:
-    """Static shared memory of the partial kernel: the warps' stages, which later hold the warps' sums."""
-    return 4 * (max(WARPS * stages * stage_words(bits, d), WARPS * g * d + 2 * WARPS * g) + WARPS)
+    """Static shared memory of the partial kernel: the warps' stages and rows of p (hi and lo for 4 heads per
+    column tile, 36 words each), which later hold the warps' sums."""
+    p_words = 4 * -(-g // 4) * 2 * 36
+    return 4 * (max(WARPS * (stages * stage_words(bits, d) + p_words), WARPS * g * d + 2 * WARPS * g) + WARPS)
 
 
 def stages_for(bits: int, d: int, g: int) -> int:
@@ -37,7 +41,8 @@ def source(bits: int, d: int, g: int, s: int, qdtype: torch.dtype, vdtype: torch
            tokens_per_warp: int = TOKENS_PER_WARP, blocks_per_sm: int = 1) -> str:
     defines = dict(BITS=bits, D=d, G=g, CT=WARPS * tokens_per_warp, S=s, STAGES=stages_for(bits, d, g),
                    WARPS=WARPS, MINB=blocks_per_sm)
-    return cu_source("quant_decode.cu", defines, dict(qtype=C_TYPES[str(qdtype)], vtype=C_TYPES[str(vdtype)]), HELPERS)
+    types = dict(qtype=C_TYPES[str(qdtype)], vtype=C_TYPES[str(vdtype)])
+    return cu_source("quant_decode.cu", defines, types, HELPERS)
 
 
 def _supported(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, v_ring, nk, p, bits, group, vgroup) -> bool:
@@ -88,7 +93,8 @@ def load(reference):
             return out, lse
         s = 2 if q.dtype == torch.float32 else 1
         tpw = TOKENS_PER_WARP
-        key = (bits, D, G, s, q.dtype, v_ring.dtype, tpw, BLOCKS_PER_SM.get(bits, 1))
+        minb = BLOCKS_PER_SM.get(bits, 1) if G <= 4 else 1   # more heads: more registers
+        key = (bits, D, G, s, q.dtype, v_ring.dtype, tpw, minb)
         if key not in kernels:
             mod = compile_module(source(*key))
             kernels[key] = (mod.get_function("quant_attn_partial"), mod.get_function("quant_attn_reduce"))
