@@ -1,6 +1,7 @@
 // quant_decode_attention kernels (ops/quant_decode_cuda.py compiles them with BITS, D, G, CT, S, STAGES, WARPS,
-// MINB, qtype and vtype defined): a decode query's whole attention over packed 1/2-bit keys and values (layouts in
-// ops/quant.py) in one pass over the packed bytes, split over the tokens (flash-decoding).
+// MINB, P_STRIDE (words per (head, hi/lo) row of p) and qtype, vtype defined): a decode query's whole attention over
+// packed 1/2-bit keys and values (layouts in ops/quant.py) in one pass over the packed bytes, split over the tokens
+// (flash-decoding).
 //
 // quant_attn_partial: one block per (chunk of CT tokens, batch row and KV head), all G query heads of it. Each warp
 // walks CT / WARPS consecutive tokens one 64-token group at a time (the group's packed keys, values, scales and mins
@@ -34,7 +35,6 @@
 #define OFF_V (OFF_KS + D)          //   value codes [64][WPT],
 #define OFF_VS (OFF_V + 64 * WPT)   //   value fp16 scales [64][NGD], then mins
 #define STAGE_WORDS (OFF_VS + 64 * NGD)
-#define P_STRIDE 36                 // words per (head, part) row of p: 64 fp16 + 4 words of padding (banks)
 #define P_WORDS (4 * NN * 2 * P_STRIDE)
 #define WARP_WORDS (STAGES * STAGE_WORDS + P_WORDS)
 #define MERGE_WORDS (WARPS * G * D + 2 * WARPS * G)   // after the walk: the warps' sums, maxima and totals

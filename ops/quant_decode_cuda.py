@@ -16,6 +16,7 @@ WARPS, GROUP = 4, 64
 TOKENS_PER_WARP = 512
 BLOCKS_PER_SM = {1: 4, 2: 4}
 SMEM_LIMIT = 48 * 1024
+P_STRIDE = 36  # words per (head, hi/lo) row of p in shared memory: 64 fp16 + 4 words of padding (bank offsets)
 
 
 def stage_words(bits: int, d: int) -> int:
@@ -27,8 +28,8 @@ def stage_words(bits: int, d: int) -> int:
 
 def shared_bytes(bits: int, d: int, g: int, stages: int) -> int:
     """Static shared memory of the partial kernel: the warps' stages and rows of p (hi and lo for 4 heads per
-    column tile, 36 words each), which later hold the warps' sums."""
-    p_words = 4 * -(-g // 4) * 2 * 36
+    column tile), which later hold the warps' sums."""
+    p_words = 4 * -(-g // 4) * 2 * P_STRIDE
     return 4 * (max(WARPS * (stages * stage_words(bits, d) + p_words), WARPS * g * d + 2 * WARPS * g) + WARPS)
 
 
@@ -40,7 +41,7 @@ def stages_for(bits: int, d: int, g: int) -> int:
 def source(bits: int, d: int, g: int, s: int, qdtype: torch.dtype, vdtype: torch.dtype,
            tokens_per_warp: int = TOKENS_PER_WARP, blocks_per_sm: int = 1) -> str:
     defines = dict(BITS=bits, D=d, G=g, CT=WARPS * tokens_per_warp, S=s, STAGES=stages_for(bits, d, g),
-                   WARPS=WARPS, MINB=blocks_per_sm)
+                   WARPS=WARPS, MINB=blocks_per_sm, P_STRIDE=P_STRIDE)
     types = dict(qtype=C_TYPES[str(qdtype)], vtype=C_TYPES[str(vdtype)])
     return cu_source("quant_decode.cu", defines, types, HELPERS)
 

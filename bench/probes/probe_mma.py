@@ -1,19 +1,20 @@
 """How exact the tensor cores' fp16 m16n8k16 MMA (fp32 accumulate) is when A holds 0 or 2^k, from normal (k >= -14)
 down to subnormal (k = -24), against float64, with B at mixed scales: ops/quant_decode.cu picks its code positions
-from this. Device only:  python3 bench/probes/probe_mma.py  (one line per k: worst relative error, of the result and
+from this. Device only:  PYTHONPATH=src python3 bench/probes/probe_mma.py  (one line per k: worst relative error, of the result and
 per column). On the H200 (2026-12-01): ~1e-7 for k >= -15, 3e-7 at -17, 2e-6 at -19, then doubling per power of
 two down to 9e-5 at -24."""
-import cupy as cp, numpy as np
-src = r'''
-#include <cuda_fp16.h>
-extern "C" __global__ void k(const unsigned* A, const unsigned* B, float* C, int reps) {
-    int lane = threadIdx.x;
-    unsigned a[4], b[2]; float c[4] = {0,0,0,0};
+import cupy as cp
+import numpy as np
+
+from tailorkv.ops.quant_common_cuda import HELPERS
+
+src = HELPERS + r'''
+extern "C" __global__ void k(const unsigned* A, const unsigned* B, float* C) {   // one warp: C = A B
+    const int lane = threadIdx.x;
+    unsigned a[4], b[2]; float c[4] = {0, 0, 0, 0};
     for (int i = 0; i < 4; ++i) a[i] = A[lane * 4 + i];
     for (int i = 0; i < 2; ++i) b[i] = B[lane * 2 + i];
-    for (int r = 0; r < reps; ++r)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    mma_f16(c, a, b[0], b[1]);
     for (int i = 0; i < 4; ++i) C[lane * 4 + i] = c[i];
 }'''
 kern = cp.RawModule(code=src).get_function("k")
@@ -45,7 +46,7 @@ for name, scale in [(f"A=2^{k}", 2.0**k) for k in (0, -14, -15, -17, -18, -19, -
         A = (bits * scale).astype(np.float16)
         Bm = (rng.standard_normal((16, 8)) * rng.choice([1, 1e-2, 1e-3], (16, 8))).astype(np.float16)
         C = cp.zeros(128, cp.float32)
-        kern((1,), (32,), (cp.asarray(frag_a(A)), cp.asarray(frag_b(Bm)), C, np.int32(1)))
+        kern((1,), (32,), (cp.asarray(frag_a(A)), cp.asarray(frag_b(Bm)), C))
         got = unc(cp.asnumpy(C))
         want = A.astype(np.float64) @ Bm.astype(np.float64)
         errs.append(np.abs(got - want).max() / np.abs(want).max())
