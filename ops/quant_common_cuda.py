@@ -1,5 +1,5 @@
 """CUDA C helpers shared by the packed 1/2-bit kernels (qk_quant_cuda, av_quant_cuda, quant_decode_cuda): warp
-MMA m16n8k16 with fp32 accumulation, the fp16 / bf16 splits of its operands, byte permute, rotate, and cp.async
+MMA m16n8k16 with fp32 accumulation, the fp16 / bf16 splits of its operands, byte permute, rotate, 2^x, and cp.async
 staging (global -> shared, zero-filled past the end)."""
 
 HELPERS = r"""
@@ -25,6 +25,12 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
     unsigned d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
     return d;
+}
+
+__device__ __forceinline__ float ex2(float x) {   // 2^x, one MUFU (tiny results flush to 0)
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 __device__ __forceinline__ unsigned rotl(unsigned x, unsigned r) { return __funnelshift_l(x, x, r); }

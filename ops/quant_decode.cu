@@ -46,12 +46,6 @@
 
 __device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }   // |k| < 127
 
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // fp16 pairs hi = (x, y), lo = (x, y) - hi
 __device__ __forceinline__ void split_pair(float x, float y, unsigned& hi, unsigned& lo) {
     const __half2 h = __floats2half2_rn(x, y);

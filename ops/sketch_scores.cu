@@ -15,12 +15,6 @@
 
 __device__ __forceinline__ unsigned h2u(__half2 h) { return *reinterpret_cast<unsigned*>(&h); }
 
-__device__ __forceinline__ float ex2(float x) {   // 2^x, one MUFU (tiny results flush to 0)
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // pair i of a lane (bits BITS * (i % PPW) of each half of its word i / PPW) goes to mantissa bits P of fp16
 __device__ __forceinline__ int place(int i) {
     const int off = BITS * (i % PPW);
