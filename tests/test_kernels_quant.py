@@ -139,7 +139,11 @@ def test_sketch_scores_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype, ru
     """The kernel (the group's heads combined, masked from `end` on) on views of a larger sketch as the policy
     passes them: within fp32 rounding of the same arithmetic in float64 (its one rounding, the per-channel
     weight q * scale in fp16), and every score within that rounding's bound of the exact torch reference (a
-    norm-relative 1e-3 failed on 0.2-2% of random inputs of the small cases, where the few scores cancel)."""
+    norm-relative 1e-3 failed on 0.2-2% of random inputs of the small cases, where the few scores cancel).
+    The fp32 part: the MMA's A carries each code on an fp16 offset of up to 2^6 that the seed takes off, so the
+    accumulators hold sums up to ~65x the score's terms; over 600 random inputs per case on the H200 the
+    norm-relative distance to the mirror reached 1.75e-5 (1 bit, rule sum; bench/probes/sketch_mirror_errors.py,
+    bench/results/2026-12-01-h200-nineteenth-session)."""
     from tailorkv.ops.sparse_select import sketch_scores
     g = torch.Generator().manual_seed(SEED + T + hq + bits + 11)
     kc, ks, km = random_keys(g, B, hkv, T + 256, D, bits, "cuda", sketch=True)
@@ -159,7 +163,7 @@ def test_sketch_scores_kernel_equals_reference(bits, B, hq, hkv, T, D, dtype, ru
         if fin.any():
             bound = sketch_rounding_bound(*args[:4], bits, end, offset, rule, sm)
             assert ((got.double() - want.double()).abs() <= bound)[fin].all(), "beyond the fp16 weights' rounding"
-            assert rel_err(got[fin], sketch_mirror(*args[:4], bits, end, offset, rule, sm)[fin]) < 1e-5
+            assert rel_err(got[fin], sketch_mirror(*args[:4], bits, end, offset, rule, sm)[fin]) < 4e-5
         for grid in (1, 0.5):  # sketch-ahead's narrower grids: each group scored the same way, the same scores
             assert torch.equal(kernel(*args, None, grid), got)
 
