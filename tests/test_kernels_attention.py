@@ -14,17 +14,13 @@ import random
 import pytest
 import torch
 
+from helpers import rel_err
 from tailorkv.ops import dispatch
 from tailorkv.ops.attention import attend_decode, decode_attention, sparse_decode_attention
 from tailorkv.ops.host_gather import gather_rows
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_kernels_attention seed: TAILORKV_SEED={SEED}")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any() and not torch.isnan(b).any(), "NaN in the result"
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def plain(q, k, v, lengths, sm_scale):

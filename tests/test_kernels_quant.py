@@ -12,16 +12,11 @@ import torch
 
 from tailorkv.ops import dispatch
 from tailorkv.ops.quant import dequantize_sketch, quantize_values, unpack
-from helpers import random_keys
+from helpers import random_keys, rel_err
 from tailorkv.ops.quant_attention import av_quant, qk_quant, quant_decode_attention
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_kernels_quant seed: TAILORKV_SEED={SEED}")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any() and not torch.isnan(b).any(), "NaN in the result"
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def poison_allocator(nbytes: int) -> None:

@@ -10,17 +10,12 @@ import random
 import pytest
 import torch
 
-from helpers import lowest_ties_topk
+from helpers import lowest_ties_topk, rel_err
 from tailorkv.ops import dispatch
 from tailorkv.ops.sparse_select import approx_scores
 
 SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 print(f"test_kernels_select seed: TAILORKV_SEED={SEED}")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any() and not torch.isnan(b).any(), "NaN in the result"
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def plain_scores(q, kt_rows, channels):

@@ -10,8 +10,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from helpers import random_keys  # noqa: E402
-from test_kernels_quant import SKETCH_CASES, rel_err, sketch_mirror  # noqa: E402
+from helpers import random_keys, rel_err  # noqa: E402
+from test_kernels_quant import SKETCH_CASES, sketch_mirror  # noqa: E402
 
 from tailorkv.ops import dispatch, sparse_select  # noqa: E402,F401 - sparse_select registers the kernel
 
