@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute over one quant_decode_attention partial call at 128k (1 bit): instructions per pipe, each pipe's
-# share of its peak, issue activity and stall reasons. Device only: bash bench/probes/qd_pipes.sh [bits] > out.txt
+# share of its peak, issue activity and warp cycles per issued instruction (WarpStateStats' summary; it gives no
+# per-reason breakdown). Device only: bash bench/probes/qd_pipes.sh [bits] > out.txt
 set -euo pipefail
 bits=${1:-1}
 names=$(ncu --query-metrics --chip gh100 2>/dev/null | awk '{print $1}' \
