@@ -85,13 +85,13 @@ __device__ __forceinline__ float code_unit(int j) {
     return P <= 9 ? pow2(P - 24) : pow2((1 << (P - 10)) - 15);
 }
 
-// fp16 pairs (ph + plo) * s split over the lanes: hi = ph s where lo_mask = 0 (even lanes, plo = 0 there), lo =
-// plo s + (ph s - hi) where lo_mask = ~0 (odd lanes)
-__device__ __forceinline__ unsigned split_product(unsigned ph, unsigned s, unsigned lo_mask) {
-    return h2fma(ph, s, (h2mul(ph, s) ^ 0x80008000u) & lo_mask);
+// fp16 pairs (ph + plo) * s split over the lanes: hi = ph s where kneg = 0 (even lanes, plo = 0 there), lo =
+// plo s + (ph s - hi) where kneg = -1 (odd lanes); fp16 multiplies only, off the integer pipe (ph s is finite)
+__device__ __forceinline__ unsigned split_product(unsigned ph, unsigned s, unsigned kneg) {
+    return h2fma(ph, s, h2mul(h2mul(ph, s), kneg));
 }
-__device__ __forceinline__ unsigned split_product(unsigned ph, unsigned plo, unsigned s, unsigned lo_mask) {
-    return h2fma(plo, s, split_product(ph, s, lo_mask));
+__device__ __forceinline__ unsigned split_product(unsigned ph, unsigned plo, unsigned s, unsigned kneg) {
+    return h2fma(plo, s, split_product(ph, s, kneg));
 }
 
 // a warp stages BYTES (a multiple of 16) from src to shared dst with cp.async, all of them valid
@@ -121,7 +121,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
     const int chunk = gridDim.x - 1 - blockIdx.x;          // the last chunk (the ring's) starts first
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const unsigned lo_mask = g & 1 ? ~0u : 0u;             // B column 2h + 1: the lo part
+    // B column 2h + 1 holds the lo part: fp16 pairs (-1, 0, 1) there and (0, 1, 0) in column 2h
+    const unsigned kneg = g & 1 ? 0xBC00BC00u : 0u, klo = g & 1 ? 0x3C003C00u : 0u, khi = klo ^ 0x3C003C00u;
     const long long nk = min(*nk_ptr, (long long)T), pos = *p_ptr;
     const long long vq = pos - R > 0 ? pos - R : 0;       // positions before it: quantized values
     const long long t0 = (long long)chunk * CT;
@@ -231,6 +232,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
             #pragma unroll
             for (int mt = 0; mt < 4; ++mt) acc[nn][mt][0] = acc[nn][mt][1] = acc[nn][mt][2] = acc[nn][mt][3] = 0.f;
         }
+#ifndef QD_SKIP_KEYS   // bench/probes/qd_ab.py times the kernel without its key (or value) products
         #pragma unroll
         for (int kt = 0; kt < KT; ++kt) {
             const uint4 w = *reinterpret_cast<const uint4*>(kw + 16 * kt + 4 * c);
@@ -244,8 +246,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
             for (int s = 0; s < S; ++s)
             #pragma unroll
             for (int nn = 0; nn < NN; ++nn) {
-                const unsigned b0 = split_product(qf[s][nn][kt][0], sp.x, lo_mask);
-                const unsigned b1 = split_product(qf[s][nn][kt][1], sp.y, lo_mask);
+                const unsigned b0 = split_product(qf[s][nn][kt][0], sp.x, kneg);
+                const unsigned b1 = split_product(qf[s][nn][kt][1], sp.y, kneg);
                 mma_f16(bias[nn], am, qf[s][nn][kt][0], qf[s][nn][kt][1]);   // column 2h: q . min
                 #pragma unroll
                 for (int mt = 0; mt < 4; ++mt) {
@@ -255,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
                 }
             }
         }
+#endif
         float x[NN][8];                                    // head 4 nn + c, token 8g + j, log2 units
         #pragma unroll
         for (int nn = 0; nn < NN; ++nn) {
@@ -322,27 +325,30 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
         const unsigned* vw = st + OFF_V;                       // [64][WPT]
         const __half* vs = reinterpret_cast<const __half*>(st + OFF_VS);
         const __half* vm = vs + 64 * NGD;
+#ifndef QD_SKIP_VALUES
         #pragma unroll
         for (int kt = 0; kt < 4; ++kt) {
             const int ta = 16 * kt + 4 * c;                    // this lane's tokens ta .. ta + 3
             unsigned xv[2][NGD][NCOPY];                        // [token pair][scale group][copy]
-            unsigned tw[4][NGD];                               // the words of this lane's channels, per token
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (BITS == 1 && D == 128) {                   // one 16-byte row: words g / 4 and 2 + g / 4
-                    const uint4 r = *reinterpret_cast<const uint4*>(vw + (ta + j) * WPT);
-                    tw[j][0] = g < 4 ? r.x : r.y;
-                    tw[j][NGD - 1] = g < 4 ? r.z : r.w;
-                } else {
-                    #pragma unroll
-                    for (int gd = 0; gd < NGD; ++gd) tw[j][gd] = vw[(ta + j) * WPT + gd * (VG * BITS / 32) + g * BITS / 4];
+            if (BITS == 1 && D == 128) {                       // byte g + 8 gd of a token's 16-byte row
+                const unsigned char* vb = reinterpret_cast<const unsigned char*>(vw + ta * WPT) + g;
+                #pragma unroll
+                for (int gd = 0; gd < NGD; ++gd)
+                #pragma unroll
+                for (int pr = 0; pr < 2; ++pr) {               // code_copies of (byte of ta + 2pr) | (byte of the next) << 16
+                    const unsigned lo8 = vb[32 * pr + 8 * gd], hi8 = vb[32 * pr + 16 + 8 * gd];
+                    xv[pr][gd][0] = hi8 * (1u << 23) + lo8 * (1u << 7);
                 }
-            }
-            #pragma unroll
-            for (int gd = 0; gd < NGD; ++gd)
-            #pragma unroll
-            for (int pr = 0; pr < 2; ++pr) {
-                code_copies(prmt(tw[2 * pr][gd], tw[2 * pr + 1][gd], fsel), xv[pr][gd]);
+            } else {
+                unsigned tw[4][NGD];                           // the words of this lane's channels, per token
+                #pragma unroll
+                for (int j = 0; j < 4; ++j)
+                #pragma unroll
+                for (int gd = 0; gd < NGD; ++gd) tw[j][gd] = vw[(ta + j) * WPT + gd * (VG * BITS / 32) + g * BITS / 4];
+                #pragma unroll
+                for (int gd = 0; gd < NGD; ++gd)
+                #pragma unroll
+                for (int pr = 0; pr < 2; ++pr) code_copies(prmt(tw[2 * pr][gd], tw[2 * pr + 1][gd], fsel), xv[pr][gd]);
             }
             unsigned sc[2][NGD], mc[2];                        // scale pairs of (ta, ta + 1), (ta + 2, ta + 3)
             if (NGD == 1) {
@@ -365,12 +371,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
                 const unsigned* prow = pw + (4 * nn + g / 2) * 2 * P_STRIDE + ta / 2;
                 const uint2 ph = *reinterpret_cast<const uint2*>(prow);
                 const uint2 pl = *reinterpret_cast<const uint2*>(prow + P_STRIDE);
-                const unsigned plo0 = pl.x & lo_mask, plo1 = pl.y & lo_mask;
-                mma_f16(macc[nn], am, lo_mask ? pl.x : ph.x, lo_mask ? pl.y : ph.y);
+                const unsigned plo0 = h2mul(pl.x, klo), plo1 = h2mul(pl.y, klo);   // 0 in the hi columns
+                mma_f16(macc[nn], am, h2fma(ph.x, khi, plo0), h2fma(ph.y, khi, plo1));   // hi columns ph, lo pl
                 #pragma unroll
                 for (int gd = 0; gd < NGD; ++gd) {
-                    const unsigned b0 = split_product(ph.x, plo0, sc[0][gd], lo_mask);
-                    const unsigned b1 = split_product(ph.y, plo1, sc[1][gd], lo_mask);
+                    const unsigned b0 = split_product(ph.x, plo0, sc[0][gd], kneg);
+                    const unsigned b1 = split_product(ph.y, plo1, sc[1][gd], kneg);
                     #pragma unroll
                     for (int m4 = 0; m4 < VG / 16; ++m4) {
                         const unsigned a[4] = {code_bits(xv[0][gd], 2 * m4), code_bits(xv[0][gd], 2 * m4 + 1),
@@ -380,6 +386,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
                 }
             }
         }
+
+#endif
 
         // ---- positions from p - R on: their exact values from the ring ----
         if (tg + 64 > vq) {
