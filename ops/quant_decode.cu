@@ -121,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
     const int chunk = gridDim.x - 1 - blockIdx.x;          // the last chunk (the ring's) starts first
     const int bh = blockIdx.y, b = bh / Hkv, kvh = bh % Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    // B column 2h + 1 holds the lo part: fp16 pairs (-1, 0, 1) there and (0, 1, 0) in column 2h
+    // B column 2h + 1 holds the lo part: (kneg, klo, khi) are the fp16 pairs of -1, 1, 0 there and 0, 0, 1 in 2h
     const unsigned kneg = g & 1 ? 0xBC00BC00u : 0u, klo = g & 1 ? 0x3C003C00u : 0u, khi = klo ^ 0x3C003C00u;
     const long long nk = min(*nk_ptr, (long long)T), pos = *p_ptr;
     const long long vq = pos - R > 0 ? pos - R : 0;       // positions before it: quantized values
@@ -335,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
                 #pragma unroll
                 for (int gd = 0; gd < NGD; ++gd)
                 #pragma unroll
-                for (int pr = 0; pr < 2; ++pr) {               // code_copies of (byte of ta + 2pr) | (byte of the next) << 16
+                for (int pr = 0; pr < 2; ++pr) {               // code_copies of (ta + 2pr's byte) | (next's) << 16
                     const unsigned lo8 = vb[32 * pr + 8 * gd], hi8 = vb[32 * pr + 16 + 8 * gd];
                     xv[pr][gd][0] = hi8 * (1u << 23) + lo8 * (1u << 7);
                 }
@@ -386,7 +386,6 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
                 }
             }
         }
-
 #endif
 
         // ---- positions from p - R on: their exact values from the ring ----

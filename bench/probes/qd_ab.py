@@ -69,8 +69,8 @@ for bits in (1, 2):
         best = min(rows[n]["us"][bits])
         rows[n][f"best_us_{bits}bit"] = best
         rows[n][f"fraction_of_hbm_{bits}bit"] = packed / best / 1e3 / HBM
-        print(f"{n:12s} {bits}-bit 128k {best:6.1f} us ({packed / best / 1e3 / HBM:5.1%} of HBM)  rounds "
-              f"{' '.join('%.1f' % u for u in rows[n]['us'][bits])}  max err (both widths so far) {rows[n]['max_err']:.1e}",
-              flush=True)
+        rounds = " ".join("%.1f" % u for u in rows[n]["us"][bits])
+        print(f"{n:12s} {bits}-bit 128k {best:6.1f} us ({packed / best / 1e3 / HBM:5.1%} of HBM)  rounds {rounds}  "
+              f"max err (both widths so far) {rows[n]['max_err']:.1e}", flush=True)
 with open(out_path, "w") as f:
     json.dump(dict(command=" ".join(sys.argv), rows=list(rows.values())), f, indent=1)
