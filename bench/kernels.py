@@ -27,6 +27,8 @@ from tailorkv.ops.quant_attention import av_quant, qk_quant
 from tailorkv.ops.sparse_select import approx_scores, sketch_scores
 
 HBM, PCIE, L2_BYTES = 4300.0, 55.0, 60e6
+# quant_decode_attention's checks against its reference: (B, Hq, Hkv, T, D, keys attended, position)
+QATTN_SHAPES = ((1, 32, 8, 8192, 128, 8064, 8150), (2, 9, 3, 1280, 64, 1024, 1100))
 DEV = torch.device("cuda")
 
 
@@ -222,7 +224,7 @@ def bench_qattn():
     out = []
     for bits in (1, 2):
         checks = []
-        for (B, Hq, Hkv, T, D, nk, p) in ((1, 32, 8, 8192, 128, 8064, 8150), (2, 9, 3, 1280, 64, 1024, 1100)):
+        for (B, Hq, Hkv, T, D, nk, p) in QATTN_SHAPES:
             q, keys, vals, ring = decode_state(bits, B, Hq, Hkv, T, D)
             sc = (torch.tensor(nk, device=DEV), torch.tensor([p], device=DEV))
             k = kernel("quant_decode_attention", q, *keys, *vals, ring, *sc)

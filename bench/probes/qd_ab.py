@@ -10,7 +10,7 @@ import sys
 import torch
 
 sys.path.insert(0, "bench")
-from kernels import DEV, HBM, decode_state, gpu_time, max_rel, n_sets  # noqa: E402
+from kernels import DEV, HBM, QATTN_SHAPES, decode_state, gpu_time, max_rel, n_sets  # noqa: E402
 
 from tailorkv.ops import quant_decode_cuda  # noqa: E402
 from tailorkv.ops.quant_attention import quant_decode_attention as qda  # noqa: E402
@@ -45,8 +45,7 @@ def variant(name):
 fns = {n: variant(n) for n in names}
 rows = {n: dict(variant=n, max_err=0.0, us={1: [], 2: []}) for n in names}
 for bits in (1, 2):
-    for (B, Hq, Hkv, T, D, nk, p) in ((1, 32, 8, 8192, 128, 8064, 8150), (2, 9, 3, 1280, 64, 1024, 1100),
-                                      (1, 32, 8, 4096, 128, 4096, 4095)):
+    for (B, Hq, Hkv, T, D, nk, p) in QATTN_SHAPES + ((1, 32, 8, 4096, 128, 4096, 4095),):
         q, keys, vals, ring = decode_state(bits, B, Hq, Hkv, T, D)
         sc = (torch.tensor(nk, device=DEV), torch.tensor([p], device=DEV))
         want = qda.reference(q, *keys, *vals, ring, *sc, bits, 64, min(64, D), 0.088)
