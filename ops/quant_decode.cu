@@ -458,9 +458,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
     }
 }
 
-// quant_attn_reduce: per (batch row and query head, 32 channels) the chunks merged in order -> o [B*Hq, D], lse [B*Hq]: o = sum w_c acc_c / sum w_c l_c with
-// w_c = exp(m_c - max m), lse = max m + log(sum w_c l_c). Deterministic, no atomics.
+// quant_attn_reduce: per (batch row and query head, 32 channels) the chunks merged in one pass -> o [B*Hq, D],
+// lse [B*Hq]: each warp merges its chunks (warp, warp + RWARPS, ...; RU of them loaded at once) with a running
+// maximum, then warp 0 merges the warps: o = sum w_c acc_c / sum w_c l_c, w_c = exp(m_c - max m), lse = max m +
+// log(sum w_c l_c). Deterministic, no atomics.
 #define RWARPS 8
+#define RU 8
 extern "C" __global__ void __launch_bounds__(RWARPS * 32) quant_attn_reduce(
         const float* __restrict__ part, const float* __restrict__ pm, const float* __restrict__ pl,
         float* __restrict__ out, float* __restrict__ lse, const int chunks, const int Hkv) {
@@ -469,30 +472,48 @@ extern "C" __global__ void __launch_bounds__(RWARPS * 32) quant_attn_reduce(
     const int b = bq / (Hkv * G), hq = bq % (Hkv * G);
     const long long bh = (long long)b * Hkv + hq / G, h = hq % G;
     const long long nbh = (long long)gridDim.x / G;            // B * Hkv
-    float M = NEG_INF;
-    for (int k = threadIdx.x; k < chunks; k += RWARPS * 32) M = fmaxf(M, pm[(k * nbh + bh) * G + h]);
-    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    if (lane == 0) sm_m[warp] = M;
-    __syncthreads();
-    for (int w = 0; w < RWARPS; ++w) M = fmaxf(M, sm_m[w]);
-    float L = 0.f, o = 0.f;
-    if (M != NEG_INF) {
-        #pragma unroll 4
-        for (int k = warp; k < chunks; k += RWARPS) {
+    float M = NEG_INF, L = 0.f, o = 0.f;
+    for (int k0 = warp; k0 < chunks; k0 += RWARPS * RU) {
+        float m[RU], l[RU], x[RU];
+        #pragma unroll
+        for (int u = 0; u < RU; ++u) {
+            const int k = k0 + u * RWARPS;
             const long long i = (k * nbh + bh) * G + h;
-            const float m = pm[i];
-            const float w = m == NEG_INF ? 0.f : expf(m - M);
-            L += w * pl[i];
-            o += w * (d < D ? part[i * D + d] : 0.f);
+            m[u] = k < chunks ? pm[i] : NEG_INF;
+            l[u] = k < chunks ? pl[i] : 0.f;
+            x[u] = k < chunks && d < D ? part[i * D + d] : 0.f;
+        }
+        float mb = M;
+        #pragma unroll
+        for (int u = 0; u < RU; ++u) mb = fmaxf(mb, m[u]);
+        if (mb != NEG_INF) {
+            const float f = M == NEG_INF ? 0.f : expf(M - mb);
+            L *= f;
+            o *= f;
+            #pragma unroll
+            for (int u = 0; u < RU; ++u) {
+                const float w = m[u] == NEG_INF ? 0.f : expf(m[u] - mb);
+                L += w * l[u];
+                o += w * x[u];
+            }
+            M = mb;
         }
     }
-    if (lane == 0) sm_l[warp] = L;
+    if (lane == 0) { sm_m[warp] = M; sm_l[warp] = L; }
     sm_o[warp][lane] = o;
     __syncthreads();
     if (warp == 0) {
+        float Mx = NEG_INF;
+        for (int w = 0; w < RWARPS; ++w) Mx = fmaxf(Mx, sm_m[w]);
         float Ls = 0.f, os = 0.f;
-        for (int w = 0; w < RWARPS; ++w) { Ls += sm_l[w]; os += sm_o[w][lane]; }
+        if (Mx != NEG_INF) {
+            for (int w = 0; w < RWARPS; ++w) {
+                const float f = sm_m[w] == NEG_INF ? 0.f : expf(sm_m[w] - Mx);
+                Ls += f * sm_l[w];
+                os += f * sm_o[w][lane];
+            }
+        }
         if (d < D) out[(long long)bq * D + d] = Ls > 0.f ? os / Ls : 0.f;
-        if (blockIdx.y == 0 && lane == 0) lse[bq] = Ls > 0.f ? M + logf(Ls) : NEG_INF;
+        if (blockIdx.y == 0 && lane == 0) lse[bq] = Ls > 0.f ? Mx + logf(Ls) : NEG_INF;
     }
 }
