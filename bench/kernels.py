@@ -218,6 +218,19 @@ def decode_state(bits, B, Hq, Hkv, T, D, R=128):
     return q, keys, vals, randn(B, Hkv, R + 1, D, dtype=torch.bfloat16)
 
 
+def qattn_128k(bits, n_inputs=None):
+    """quant_decode_attention's timed case, 128k keys of the Llama-3.1-8B shape: its packed bytes (K and V: codes +
+    fp16 scale and min per 64), the input sets (enough to spill L2 unless n_inputs) and a call on one set."""
+    B, Hq, Hkv, T, D = 1, 32, 8, 131072, 128
+    packed = 2 * Hkv * T * D * (bits / 8 + 4 / 64)
+    sets = [decode_state(bits, B, Hq, Hkv, T, D) for _ in range(n_inputs or n_sets(packed))]
+    sc = (torch.tensor(T - 128, device=DEV), torch.tensor([T - 1], device=DEV))
+
+    def call(fn, s):
+        return fn(s[0], *s[1], *s[2], s[3], *sc, bits, 64, 64, 0.088)
+    return packed, sets, call
+
+
 def bench_qattn():
     """The whole 1/2-bit decode attention (quant_decode_attention) against the composition it replaces."""
     from tailorkv.ops.quant_attention import quant_decode_attention as qda
@@ -232,15 +245,10 @@ def bench_qattn():
             want = qda.reference(q, *keys, *vals, ring, *sc, bits, 64, min(64, D), 0.088)
             checks.append(check(f"B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} nk={nk} o", got[0], want[0], 1e-4))
             checks.append(check(f"B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} nk={nk} lse", got[1], want[1], 1e-5))
-        B, Hq, Hkv, T, D = 1, 32, 8, 131072, 128
-        packed = 2 * Hkv * T * D * (bits / 8 + 4 / 64)        # K and V: codes + fp16 scale and min per 64
-        sets = [decode_state(bits, B, Hq, Hkv, T, D) for _ in range(n_sets(packed))]
-        sc = (torch.tensor(T - 128, device=DEV), torch.tensor([T - 1], device=DEV))
-        k = kernel("quant_decode_attention", sets[0][0], *sets[0][1], *sets[0][2], sets[0][3], *sc)
-        ms, mode = gpu_time([lambda s=s, k=k, bits=bits: k(s[0], *s[1], *s[2], s[3], *sc, bits, 64, 64, 0.088)
-                             for s in sets])
-        base_ms, _ = gpu_time([lambda s=s, bits=bits: qda.reference(s[0], *s[1], *s[2], s[3], *sc, bits, 64, 64,
-                                                                    0.088) for s in sets[:2]], reps=20)
+        packed, sets, call = qattn_128k(bits)
+        k = kernel("quant_decode_attention", sets[0][0], *sets[0][1], *sets[0][2], sets[0][3])
+        ms, mode = gpu_time([lambda s=s, k=k, call=call: call(k, s) for s in sets])
+        base_ms, _ = gpu_time([lambda s=s, call=call: call(qda.reference, s) for s in sets[:2]], reps=20)
         out.append(result(f"quant_decode_attention {bits}-bit T=128k Hq=32 Hkv=8 D=128", checks, ms, mode, packed,
                           HBM, "qk_quant + softmax + av_quant", base_ms,
                           dict(packed_bytes=packed, packed_GBps=packed / ms / 1e6)))

@@ -10,7 +10,7 @@ import sys
 import torch
 
 sys.path.insert(0, "bench")
-from kernels import DEV, HBM, QATTN_SHAPES, decode_state, gpu_time, max_rel, n_sets  # noqa: E402
+from kernels import DEV, HBM, QATTN_SHAPES, decode_state, gpu_time, max_rel, qattn_128k  # noqa: E402
 
 from tailorkv.ops import quant_decode_cuda  # noqa: E402
 from tailorkv.ops.quant_attention import quant_decode_attention as qda  # noqa: E402
@@ -54,15 +54,10 @@ for bits in (1, 2):
             finite = bool(torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all())
             err = max(max_rel(got[0], want[0]), (got[1] - want[1]).abs().max().item()) if finite else float("inf")
             rows[n]["max_err"] = max(rows[n]["max_err"], err)
-    T = 131072
-    packed = 2 * 8 * T * 128 * (bits / 8 + 4 / 64)
-    sets = [decode_state(bits, 1, 32, 8, T, 128) for _ in range(n_sets(packed))]
-    sc = (torch.tensor(T - 128, device=DEV), torch.tensor([T - 1], device=DEV))
+    packed, sets, call = qattn_128k(bits)
     for _ in range(3):
         for n in names:
-            fn = fns[n]
-            ms, _mode = gpu_time([lambda s=s, fn=fn, bits=bits: fn(s[0], *s[1], *s[2], s[3], *sc, bits, 64, 64, 0.088)
-                                  for s in sets])
+            ms, _mode = gpu_time([lambda s=s, fn=fns[n], call=call: call(fn, s) for s in sets])
             rows[n]["us"][bits].append(ms * 1e3)
     for n in names:
         best = min(rows[n]["us"][bits])

@@ -6,22 +6,20 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, "bench")
-from kernels import DEV, decode_state  # noqa: E402
+from kernels import qattn_128k  # noqa: E402
 
 from tailorkv.ops import dispatch  # noqa: E402
 
-T = 131072
 for bits in (1, 2):
-    sets = [decode_state(bits, 1, 32, 8, T, 128) for _ in range(4)]
-    sc = (torch.tensor(T - 128, device=DEV), torch.tensor([T - 1], device=DEV))
+    _, sets, call = qattn_128k(bits, 4)
     k = dispatch.kernel_for("quant_decode_attention", sets[0][0], *sets[0][1])
     for s in sets:
-        k(s[0], *s[1], *s[2], s[3], *sc, bits, 64, 64, 0.088)
+        call(k, s)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             for s in sets:
-                k(s[0], *s[1], *s[2], s[3], *sc, bits, 64, 64, 0.088)
+                call(k, s)
         torch.cuda.synchronize()
     for e in prof.key_averages():
         if "quant_attn" in e.key:
