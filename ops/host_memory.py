@@ -8,8 +8,9 @@ with 31 layers' K/V stores (15.5 GiB), the gather of 896 x 8 rows of 512 B per l
 store does (bench/host_pages.py, bench/results/2026-12-01-h200-sixteenth-session). The DMA copies into a managed
 store are slower, though (a 128k prefill of Llama-3.1-8B: 12.3-15.0 s instead of 11.3-11.8; ops/host_copy.py writes
 them with the SMs instead), so only the stores read row by row under the dense GEMVs (sketch-ahead's) ask for it
-(`managed=True`). Without CUDA (or where the driver refuses managed memory) a store is ordinary (pinned on a CUDA
-device) torch memory.
+(`managed=True`). Without CUDA, where the driver refuses managed memory, or where the managed stores would
+come to more than the device has free (under --gpu-mem-limit: free under the cap), a store is ordinary (pinned on
+a CUDA device) torch memory: managed memory beyond the card's free memory can hang the GPU.
 
 The tensors are CPU tensors to torch, which does not call managed memory pinned (is_pinned is False, or True,
 depending on how torch asks); `gpu_readable` is the one test of whether a kernel may read a tensor."""
@@ -70,8 +71,8 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device, managed: bool = 
     if device.type != "cuda":
         return torch.empty(shape, dtype=dtype)
     nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-    if managed and MANAGED and nbytes > 0:
-        index = torch.cuda.current_device() if device.index is None else device.index
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if managed and MANAGED and nbytes > 0 and managed_bytes() + nbytes <= device_free_bytes(index):
         torch.cuda.synchronize(index)  # the driver calls below need the device's context, which torch makes lazily
         try:
             buffer = _managed_buffer(nbytes, index)
@@ -80,6 +81,15 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device, managed: bool = 
         else:
             return torch.frombuffer(buffer, dtype=dtype).view(shape)
     return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def device_free_bytes(index: int) -> int:
+    """What the device has free, and under this process's cap (torch's memory fraction) what the cap leaves."""
+    free, total = torch.cuda.mem_get_info(index)
+    fraction = torch.cuda.get_per_process_memory_fraction(index)
+    if fraction < 1.0:
+        free = min(free, int(fraction * total) - torch.cuda.memory_reserved(index))
+    return free
 
 
 def managed_bytes() -> int:

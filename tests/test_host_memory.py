@@ -52,6 +52,34 @@ def test_pinned_unless_asked_and_allowed(monkeypatch):
 
 
 @pytest.mark.cuda
+def test_pinned_where_managed_stores_would_pass_the_devices_free_memory(monkeypatch):
+    before = managed_bytes()
+    monkeypatch.setattr(host_memory, "device_free_bytes", lambda index: before + 4 * 8 * 4 - 1)
+    t = host_empty((4, 8), torch.float32, torch.device("cuda"), managed=True)
+    assert t.is_pinned() and gpu_readable(t) and managed_bytes() == before
+    monkeypatch.setattr(host_memory, "device_free_bytes", lambda index: before + 4 * 8 * 4)
+    t = host_empty((4, 8), torch.float32, torch.device("cuda"), managed=True)
+    assert managed_bytes() == before + t.numel() * 4
+
+
+@pytest.mark.cuda
+def test_free_memory_under_a_cap_is_what_the_cap_leaves():
+    """Under torch's per-process memory fraction (--gpu-mem-limit), a store larger than the cap leaves is pinned."""
+    import subprocess
+    import sys
+    code = ("import torch; from tailorkv.ops.host_memory import device_free_bytes, host_empty, managed_bytes; "
+            "total = torch.cuda.mem_get_info(0)[1]; torch.cuda.set_per_process_memory_fraction(0.01, 0); "
+            "x = torch.empty(int(0.004 * total), dtype=torch.uint8, device='cuda'); "
+            "free = device_free_bytes(0); reserved = torch.cuda.memory_reserved(0); "
+            "assert 0 < free <= int(0.01 * total) - reserved, (free, reserved); "
+            "t = host_empty((free // 2 + 2,), torch.int16, torch.device('cuda'), managed=True); "
+            "assert t.is_pinned() and managed_bytes() == 0, 'managed past the cap'; "
+            "t = host_empty((free // 4,), torch.int16, torch.device('cuda'), managed=True); "
+            "assert managed_bytes() == t.numel() * 2, 'pinned under the cap'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("sm_writes", [True, False])
 def test_device_rows_into_a_managed_store_by_the_sms_or_the_dma(sm_writes, monkeypatch):
     """host_copy into a managed store: the prompt's chunks (K and V interleaved, [B, H, m, 2, D] into the middle of
