@@ -3,6 +3,7 @@ choice, loading with a progress bar and a load line, byte formatting. The common
 engine/options.py. Used by cli.py and the tool commands (engine/bench, evaluation, profiling)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -210,7 +211,23 @@ def load_with_progress(model: str, weights, random_weights: bool, device, dtype,
         err.print(f"[dim]{load_line(loaded, time.perf_counter() - t0)}[/]", soft_wrap=True)
     if loaded.random:
         err.print("[yellow]random weights: the model's text is meaningless (use them for speed and memory work)[/]")
+    if str(device).startswith("cuda"):
+        prepare_kernels(quiet)
     return loaded
+
+
+def prepare_kernels(quiet: bool = False) -> None:
+    """The CUDA kernels loaded before the first turn or cell: compiled on a machine's first run (seconds; CuPy
+    caches them on disk), else read from the cache."""
+    from tailorkv.ops import dispatch
+    t0 = time.perf_counter()
+    with err.status("loading CUDA kernels (the first run on a machine compiles them)", spinner="dots") \
+            if err.is_terminal and not quiet else contextlib.nullcontext():
+        n = dispatch.preload(threads=min(8, os.cpu_count() or 1))
+    took = time.perf_counter() - t0
+    if n and took > 1.0 and not quiet:
+        err.print(f"[dim]loading CUDA kernels: {n} ready in {took:.1f} s (compiled once per machine, then read "
+                  f"from CuPy's cache)[/]")
 
 
 def fmt_bytes(n: float) -> str:

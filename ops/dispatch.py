@@ -32,16 +32,42 @@ def kernel_for(name: str, *tensors) -> Callable | None:
         return None
     if not any(t.is_cuda for t in tensors) or not all(gpu_readable(t) for t in tensors):
         return None
-    if name not in _KERNELS:
-        try:
-            _KERNELS[name] = _LOADERS[name]()
-        except Exception as e:  # no CuPy, no compiler: the reference serves
-            _FAILED.add(name)
-            warnings.warn(f"{name}: the CUDA kernel did not load ({type(e).__name__}: {e}); using the torch "
-                          f"reference, which is slower (pip install cupy-cuda12x or cupy-cuda13x, matching "
-                          f"your CUDA)", RuntimeWarning, stacklevel=3)
-            return None
+    if name not in _KERNELS and not _load(name):
+        return None
     return _KERNELS[name]
+
+
+def _load(name: str) -> bool:
+    try:
+        _KERNELS[name] = _LOADERS[name]()
+        return True
+    except Exception as e:  # no CuPy, no compiler: the reference serves
+        _FAILED.add(name)
+        warnings.warn(f"{name}: the CUDA kernel did not load ({type(e).__name__}: {e}); using the torch "
+                      f"reference, which is slower (pip install cupy-cuda12x or cupy-cuda13x, matching "
+                      f"your CUDA)", RuntimeWarning, stacklevel=4)
+        return False
+
+
+def preload(threads: int = 8) -> int:
+    """Load every enabled kernel of ops/ now, `threads` at a time, rather than at its first call: on a machine
+    whose CuPy cache lacks them, compiling them takes seconds that would otherwise land inside the first turn or
+    bench cell. Returns how many loaded; one that fails is remembered as absent, as at a first call. Without
+    CuPy nothing loads here (each op then says so at its first call)."""
+    import importlib
+    import pkgutil
+    from concurrent.futures import ThreadPoolExecutor
+    try:
+        import cupy  # noqa: F401 - imported once here, not by the threads at the same time
+    except ImportError:
+        return 0
+    package = importlib.import_module("tailorkv.ops")
+    for info in pkgutil.iter_modules(package.__path__):   # the modules that register kernels
+        if not info.name.endswith("_cuda"):
+            importlib.import_module(f"tailorkv.ops.{info.name}")
+    names = [n for n in _LOADERS if kernels_enabled(n) and n not in _KERNELS and n not in _FAILED]
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        return sum(pool.map(_load, names))
 
 
 def op(name: str):

@@ -49,6 +49,46 @@ def test_a_kernel_that_cannot_load_warns_once_and_the_reference_serves(monkeypat
         assert dispatch.kernel_for("probe_missing", OnGPU()) is None  # remembered: no second warning
 
 
+def test_preload_loads_every_enabled_kernel_at_once(monkeypatch):
+    """preload: the kernels load side by side (two that wait for each other), a failing one is remembered as
+    absent with its warning, a switched-off one is left alone, and the first call then finds them loaded."""
+    import importlib
+    import pkgutil
+    import sys
+    import threading
+    import types
+    for info in pkgutil.iter_modules(importlib.import_module("tailorkv.ops").__path__):
+        importlib.import_module(f"tailorkv.ops.{info.name}")      # every real kernel registered before the swap
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    both = threading.Barrier(2, timeout=10)
+    loads = []
+
+    def loader(tag):
+        def load():
+            loads.append(tag)
+            if tag == "bad":
+                raise RuntimeError("nvrtc: error")
+            both.wait()                                           # raises if the other never loads beside it
+            return lambda *a: tag
+        return load
+
+    monkeypatch.setattr(dispatch, "_LOADERS", {t: loader(t) for t in ("a", "b", "bad", "off")})
+    monkeypatch.setattr(dispatch, "_KERNELS", {})
+    monkeypatch.setattr(dispatch, "_FAILED", set())
+    monkeypatch.setenv("TAILORKV_KERNELS_OFF", "off")
+    with pytest.warns(RuntimeWarning, match="bad: the CUDA kernel did not load"):
+        assert dispatch.preload(threads=3) == 2
+    assert sorted(loads) == ["a", "b", "bad"] and dispatch._FAILED == {"bad"}
+
+    class OnGPU:
+        is_cuda = True
+    assert dispatch.kernel_for("a", OnGPU())() == "a" and dispatch.kernel_for("bad", OnGPU()) is None
+    assert sorted(loads) == ["a", "b", "bad"]                     # nothing loaded twice
+    monkeypatch.setattr(dispatch, "_KERNELS", {})
+    monkeypatch.setitem(sys.modules, "cupy", None)                # no CuPy: preload loads nothing
+    assert dispatch.preload() == 0 and sorted(loads) == ["a", "b", "bad"]
+
+
 def test_gather_rows_reference_writes_into_out():
     g = torch.Generator().manual_seed(SEED + 1)
     host = torch.randn(2, 3, 50, 8, generator=g)
