@@ -33,8 +33,20 @@ def _cupy_stream(handle: int, device_index: int):
 
 
 def compile_module(source: str):
+    """A CuPy module of `source`, compiled at its first function's load (CuPy picks the arch). With
+    TAILORKV_LOG_COMPILES=1 it is loaded here, and its kernels, defines and load time go to stderr."""
     import cupy
-    return cupy.RawModule(code=source)  # CuPy picks the arch and C++14
+    mod = cupy.RawModule(code=source)
+    if os.environ.get("TAILORKV_LOG_COMPILES") == "1":
+        import re
+        import sys
+        import time
+        t0 = time.perf_counter()
+        mod.compile()
+        names = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)', source)
+        defines = " ".join(re.findall(r"^#define (\w+ \S+)$", source.split("extern", 1)[0], re.M)[:12])
+        sys.stderr.write(f"compile_module: {','.join(names)} [{defines}] {time.perf_counter() - t0:.2f} s\n")
+    return mod
 
 
 def launch(kernel, grid, block, args, device: torch.device, shared_mem: int = 0) -> None:

@@ -159,8 +159,9 @@ def _empty(shape, dtype, device) -> torch.Tensor:  # outputs (tests swap in NaN-
 def _module(device_index: int):
     import cupy
 
+    from tailorkv.ops.cuda_launch import compile_module
     with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(code=source())
+        mod = compile_module(source())
         kernels = {name: mod.get_function(name) for name in KERNELS}
         for k in kernels.values():
             k.num_regs  # compiles and loads now, not inside a graph capture
