@@ -4,11 +4,17 @@ CuPy is imported only when a kernel loads, so the package imports without it."""
 from __future__ import annotations
 
 import os
+import re
+import sys
+import threading
+import time
 
 import numpy as np
 import torch
 
 _STREAMS: dict[tuple[int, int], object] = {}
+_MODULES: dict[tuple[str, int], list] = {}  # (source, device) -> [its lock, its module]
+_MODULES_LOCK = threading.Lock()
 
 
 class _StreamHandle:
@@ -33,20 +39,25 @@ def _cupy_stream(handle: int, device_index: int):
 
 
 def compile_module(source: str):
-    """A CuPy module of `source`, compiled at its first function's load (CuPy picks the arch). With
-    TAILORKV_LOG_COMPILES=1 it is loaded here, and its kernels, defines and load time go to stderr."""
+    """A CuPy module of `source`, compiled (CuPy picks the arch) or read from CuPy's disk cache, once per
+    device: dispatch.preload's threads may ask for one source at once (fused's four ops share theirs). With
+    TAILORKV_LOG_COMPILES=1 its kernels, defines and load time go to stderr."""
     import cupy
-    mod = cupy.RawModule(code=source)
-    if os.environ.get("TAILORKV_LOG_COMPILES") == "1":
-        import re
-        import sys
-        import time
-        t0 = time.perf_counter()
-        mod.compile()
-        names = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)', source)
-        defines = " ".join(re.findall(r"^#define (\w+ \S+)$", source.split("extern", 1)[0], re.M)[:12])
-        sys.stderr.write(f"compile_module: {','.join(names)} [{defines}] {time.perf_counter() - t0:.2f} s\n")
-    return mod
+    key = (source, cupy.cuda.Device().id)
+    with _MODULES_LOCK:
+        entry = _MODULES.setdefault(key, [threading.Lock(), None])
+    with entry[0]:
+        if entry[1] is None:
+            t0 = time.perf_counter()
+            mod = cupy.RawModule(code=source)
+            if hasattr(mod, "compile"):   # else compiled at its first function's load
+                mod.compile()
+            if os.environ.get("TAILORKV_LOG_COMPILES") == "1":
+                names = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)', source)
+                defines = " ".join(re.findall(r"^#define (\w+ \S+)$", source.split("extern", 1)[0], re.M)[:12])
+                sys.stderr.write(f"compile_module: {','.join(names)} [{defines}] {time.perf_counter() - t0:.2f} s\n")
+            entry[1] = mod
+        return entry[1]
 
 
 def launch(kernel, grid, block, args, device: torch.device, shared_mem: int = 0) -> None:

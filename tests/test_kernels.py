@@ -89,6 +89,41 @@ def test_preload_loads_every_enabled_kernel_at_once(monkeypatch):
     assert dispatch.preload() == 0 and sorted(loads) == ["a", "b", "bad"]
 
 
+def test_compile_module_builds_a_source_once_however_many_threads_ask(monkeypatch):
+    import sys
+    import threading
+    import time
+    import types
+    from concurrent.futures import ThreadPoolExecutor
+    from tailorkv.ops import cuda_launch
+    built = []
+
+    class RawModule:
+        def __init__(self, code):
+            self.code = code
+
+        def compile(self):
+            built.append(self.code)
+            time.sleep(0.05)                                   # long enough for the other threads to arrive
+
+    device = types.SimpleNamespace(id=0)
+    fake = types.SimpleNamespace(RawModule=RawModule, cuda=types.SimpleNamespace(Device=lambda: device))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cuda_launch, "_MODULES", {})
+    start = threading.Barrier(8)
+
+    def ask(i):
+        start.wait()
+        return cuda_launch.compile_module("src A" if i % 2 else "src B")
+
+    with ThreadPoolExecutor(8) as pool:
+        mods = list(pool.map(ask, range(8)))
+    assert sorted(built) == ["src A", "src B"]
+    assert len({id(m) for m in mods[1::2]}) == 1 and len({id(m) for m in mods[::2]}) == 1 and mods[0] is not mods[1]
+    device.id = 1                                              # another device: its own module
+    assert cuda_launch.compile_module("src A") is not mods[1] and built.count("src A") == 2
+
+
 def test_gather_rows_reference_writes_into_out():
     g = torch.Generator().manual_seed(SEED + 1)
     host = torch.randn(2, 3, 50, 8, generator=g)
