@@ -212,18 +212,20 @@ def load_with_progress(model: str, weights, random_weights: bool, device, dtype,
     if loaded.random:
         err.print("[yellow]random weights: the model's text is meaningless (use them for speed and memory work)[/]")
     if str(device).startswith("cuda"):
-        prepare_kernels(quiet)
+        prepare_kernels(loaded.cfg, dtype, device, quiet)
     return loaded
 
 
-def prepare_kernels(quiet: bool = False) -> None:
-    """The CUDA kernels loaded before the first turn or cell: compiled on a machine's first run (seconds; CuPy
-    caches them on disk), else read from the cache."""
+def prepare_kernels(cfg, dtype, device, quiet: bool = False) -> None:
+    """The CUDA kernels loaded before the first turn or cell: ours (CuPy compiles them on a machine's first run,
+    then reads its disk cache) and the prefill attention's (cuDNN builds some at their first use on a machine)."""
     from tailorkv.ops import dispatch
+    from tailorkv.ops.attention import warm_up_prefill
     t0 = time.perf_counter()
     with err.status("loading CUDA kernels (the first run on a machine compiles them)", spinner="dots") \
             if err.is_terminal and not quiet else contextlib.nullcontext():
         n = dispatch.preload(threads=min(8, os.cpu_count() or 1))
+        warm_up_prefill(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, dtype, device)
     took = time.perf_counter() - t0
     if n and took > 1.0 and not quiet:
         err.print(f"[dim]loading CUDA kernels: {n} ready in {took:.1f} s (compiled once per machine, then read "

@@ -50,6 +50,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     return out
 
 
+def warm_up_prefill(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Runs the prefill's attention paths once on small tensors of these head shapes (one KV head): cuDNN builds
+    some of its attention kernels at their first use on a machine (on the H200 1.1 s for the causal one, 3.0 s for
+    the blocks over q, then kept in the driver's cache, ~/.nv/ComputeCache), which would otherwise land in a
+    first prompt's prefill."""
+    g = max(1, heads // max(1, kv_heads))
+    for t in (256, INTO_Q_BLOCK + 64):
+        q = torch.randn(1, g, t, head_dim, dtype=dtype, device=device)
+        k, v = (torch.randn(1, 1, t, head_dim, dtype=dtype, device=device) for _ in range(2))
+        causal_attention(q, k, v, 0, into_q=True)
+
+
 INTO_Q_BLOCK = 16384  # query rows per block of a prompt's attention written over q
 MERGE_HEADS = 4       # query heads per fp32 merge of a block's two parts (bounds its temporaries)
 

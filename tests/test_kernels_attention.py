@@ -426,3 +426,18 @@ def test_causal_attention_over_q_on_the_gpu_equals_one_sdpa_call(monkeypatch, T,
     assert got.data_ptr() == q_in.data_ptr()          # the blocks ran (cuDNN took them) and wrote over q
     got = got.float()
     assert not got.isnan().any() and rel_err(got, want) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads, kv_heads, head_dim, dtype", [(32, 8, 128, torch.bfloat16), (9, 3, 64, torch.float16)])
+def test_prefill_warm_up_runs_both_paths_and_keeps_little(heads, kv_heads, head_dim, dtype):
+    """warm_up_prefill (what the commands run before a first prompt) takes the blocked path over q and the plain
+    one, and leaves no tensor behind."""
+    from unittest import mock
+
+    from tailorkv.ops import attention
+    before = torch.cuda.memory_allocated()
+    with mock.patch.object(attention, "_causal_over_q", wraps=attention._causal_over_q) as blocked:
+        attention.warm_up_prefill(heads, kv_heads, head_dim, dtype, torch.device("cuda"))
+    assert blocked.call_count == 1
+    assert torch.cuda.memory_allocated() == before
