@@ -136,7 +136,12 @@ def plot_budgets(res: dict, path: str) -> None:
                 ax.set_xlabel("budget (tokens attended per layer) / length")
             if j == 0:
                 ax.set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    handles = {}                        # every method drawn in any panel (the last may lack some, or all)
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    if handles:
+        axes[0][-1].legend(handles.values(), handles.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"budget curve: {', '.join(sparse) or 'no budgeted method'} vs full\n{title_line(res)}",
                  fontsize=10)
     fig.tight_layout()
