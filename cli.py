@@ -76,9 +76,8 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     settings = plan_memory(settings, cfg, family, ctx_len, limit, pick_dtype(dtype, dev), click.get_current_context())
 
     loaded = load_with_progress(model, weights, random_weights, dev, pick_dtype(dtype, dev))
-    if loaded.tokenizer is None:
-        from tailorkv.models.loader import missing_tokenizer
-        raise UserError(missing_tokenizer(loaded))
+    from tailorkv.models.loader import require_tokenizer
+    require_tokenizer(loaded)
     from tailorkv.engine.chat import ChatSession
     from tailorkv.engine.generate import Engine
     from tailorkv.engine.methods import build_cache

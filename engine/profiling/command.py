@@ -130,10 +130,8 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
         raise ValueError(f"--length {length} is beyond what {model} supports ({limit_ctx} tokens): "
                          f"lower --length")
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
-    tok = loaded.tokenizer
-    if tok is None:
-        from tailorkv.models.loader import missing_tokenizer
-        raise ValueError(missing_tokenizer(loaded))
+    from tailorkv.models.loader import require_tokenizer
+    tok = require_tokenizer(loaded)
     want = length if length is not None else min(DEFAULT_LENGTH, limit_ctx)
     bos = [tok.bos_id] if getattr(tok, "add_bos", False) and tok.bos_id is not None else []
     all_ids = bos + tok.encode(text)
