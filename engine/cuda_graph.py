@@ -40,6 +40,20 @@ class DecodeGraphs:
         self.cache.finish(step)
         return logits
 
+    def prepare(self) -> None:
+        """Capture the graph of the next step's key now, if it has none (after a prefill: the first token's step
+        then only replays; a capture costs a few eager steps, 0.4-0.6 s for the first one in a process)."""
+        if self.cache.length >= self.cache.max_len:
+            return
+        self.positions.fill_(self.cache.length)
+        self.lengths.fill_(self.cache.length + 1)
+        step = self.cache.begin(1, self.positions, self.lengths)
+        try:
+            if step.key not in self.graphs:
+                self.graphs[step.key] = self._capture(step)
+        finally:
+            self.cache.abort(step)  # a decode step stores nothing before commit: the cache is as it was
+
     def _capture(self, step):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -45,6 +45,11 @@ class Runner:
             return self.graphs.step(tokens)
         return self._forward(tokens, False)
 
+    def prepare_decode(self) -> None:
+        """Ready the next decode step before its token is known (captures its CUDA graph if it has none)."""
+        if self.graphs is not None:
+            self.graphs.prepare()
+
     def _forward(self, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
         step = self.cache.begin(tokens.shape[1])
         try:

@@ -40,12 +40,15 @@ def test_bucket_bounds():
 
 
 def _decode_both(lm, settings, ids, n_prompt, max_len):
-    """Logits of every decode step, eager and through CUDA graphs, from two identical caches."""
+    """Logits of every decode step, eager and through CUDA graphs (the first captured right after the prefill),
+    from two identical caches."""
     out = []
     for graphs in (False, True):
         runner = Runner(lm.model, build_cache(lm, settings, max_len), use_cuda_graph=graphs)
         assert (runner.graphs is not None) == graphs
         runner.prefill(ids[:, :n_prompt])
+        runner.prepare_decode()  # what Engine.generate does: the first step's graph captured before its token
+        assert runner.length == n_prompt and (not graphs or len(runner.graphs.graphs) == 1)
         out.append([runner.decode(ids[:, p:p + 1]).clone() for p in range(n_prompt, ids.shape[1])])
         if graphs:
             out.append(len(runner.graphs.graphs))
