@@ -101,6 +101,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.forward(prompt_ids)
         self.runner.prepare_decode()  # counted in the prefill (the time to the first token), not in the decode
+        self.sampler.warm_up(logits)
         sync(self.device)
         st.prefill_s = time.perf_counter() - t0
         out: list[int] = []

@@ -108,6 +108,19 @@ class Sampler:
             self.gen.manual_seed(params.seed)
         else:
             self.gen.seed()
+        self.warm = False
+
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Run every op of a choice once, with a scratch generator (the seeded draws are untouched): on a GPU
+        their kernels load at first use, which would otherwise land in the first token's time."""
+        if self.warm:
+            return
+        self.warm = True
+        seeded, self.gen = self.gen, torch.Generator(device=self.gen.device)
+        try:
+            self(logits, [0])
+        finally:
+            self.gen = seeded
 
     def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         """llama.cpp's repetition penalty: each distinct token of the last n of `history` (the answer so far)

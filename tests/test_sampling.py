@@ -46,6 +46,14 @@ def test_choosing_a_token_queues_without_a_host_sync():
     assert 0 <= int(tok[0]) < 128256
 
 
+def test_warm_up_leaves_the_seeded_draws_as_they_were():
+    logits = torch.randn(1, 1000)
+    p = SamplingParams(temperature=1.0, top_k=40, repeat_penalty=1.1, seed=3)
+    a, b = Sampler(p, "cpu"), Sampler(p, "cpu")
+    a.warm_up(logits)
+    assert a.warm and [int(a(logits, [1])[0]) for _ in range(20)] == [int(b(logits, [1])[0]) for _ in range(20)]
+
+
 def test_top_k_top_p_min_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert draws(SamplingParams(temperature=1, top_k=2, seed=0), logits) == {0, 1}
