@@ -4,9 +4,11 @@ import json
 import os
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from tailorkv.cli import main
+from tailorkv.engine.ui import dtype_name, pick_dtype
 from helpers import assert_one_line_error, write_tiny_folder
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
@@ -36,7 +38,8 @@ def test_hub_id_from_the_cache(hub_cache):
     assert res.exit_code == 0, res.output
     load_line = next(line for line in res.output.splitlines() if "parameters" in line)
     assert load_line.startswith("tiny-org/tiny-llama: ") and "safetensors" in load_line
-    assert "fp32 weights" in load_line and "trained context 1024" in load_line
+    auto = dtype_name(pick_dtype("auto", torch.device("cpu")))  # bf16 on CPUs with AVX512-BF16 or AMX, else fp32
+    assert f"{auto} weights" in load_line and "trained context 1024" in load_line
 
 
 def test_hub_id_not_in_the_cache_offline(hub_cache):
