@@ -3,8 +3,9 @@ fixed) replays a whole decode step (all layers, logits) with a single launch, re
 that dominates batch-1 decode in eager PyTorch. Used by the runner when every layer's policy is graph-safe.
 
 Per step: the token and position go into static device buffers, the cache plans the step (host), the graph of
-its key replays (captured on first use: two eager warm-up runs on a side stream, then the capture; a decode
-step's run() is idempotent, so the warm-ups leave the state the replay leaves), the cache commits it."""
+its key replays (captured on first use, or ahead by `prepare` after a prefill: two eager warm-up runs on a side
+stream, then the capture; a decode step's run() is idempotent, so the warm-ups leave the state the replay
+leaves), the cache commits it."""
 from __future__ import annotations
 
 import torch
@@ -26,13 +27,9 @@ class DecodeGraphs:
             self.tokens = torch.zeros_like(tokens)
             self.graphs.clear()
         self.tokens.copy_(tokens)
-        self.positions.fill_(self.cache.length)
-        self.lengths.fill_(self.cache.length + 1)
-        step = self.cache.begin(1, self.positions, self.lengths)
+        step = self._begin()
         try:
-            if step.key not in self.graphs:
-                self.graphs[step.key] = self._capture(step)
-            graph, logits = self.graphs[step.key]
+            graph, logits = self._graph_for(step)
             graph.replay()
         except BaseException:
             self.cache.abort(step)
@@ -45,14 +42,21 @@ class DecodeGraphs:
         then only replays; a capture costs a few eager steps, 0.4-0.6 s for the first one in a process)."""
         if self.cache.length >= self.cache.max_len:
             return
-        self.positions.fill_(self.cache.length)
-        self.lengths.fill_(self.cache.length + 1)
-        step = self.cache.begin(1, self.positions, self.lengths)
+        step = self._begin()
         try:
-            if step.key not in self.graphs:
-                self.graphs[step.key] = self._capture(step)
+            self._graph_for(step)
         finally:
             self.cache.abort(step)  # a decode step stores nothing before commit: the cache is as it was
+
+    def _begin(self):
+        self.positions.fill_(self.cache.length)
+        self.lengths.fill_(self.cache.length + 1)
+        return self.cache.begin(1, self.positions, self.lengths)
+
+    def _graph_for(self, step):
+        if step.key not in self.graphs:
+            self.graphs[step.key] = self._capture(step)
+        return self.graphs[step.key]
 
     def _capture(self, step):
         stream = torch.cuda.Stream()
