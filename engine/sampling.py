@@ -131,7 +131,7 @@ class Sampler:
         if p == 1 or n == 0 or not history:
             return logits
         recent = history if n < 0 else history[-n:]
-        ids = torch.tensor(sorted({int(t) for t in recent if 0 <= int(t) < logits.shape[-1]}), dtype=torch.long)
+        ids = torch.tensor(sorted({t for t in map(int, recent) if 0 <= t < logits.shape[-1]}), dtype=torch.long)
         if logits.device.type == "cuda":
             ids = ids.pin_memory().to(logits.device, non_blocking=True)
         picked = logits.index_select(-1, ids)
