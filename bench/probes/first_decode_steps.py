@@ -1,6 +1,6 @@
 """Where a chat turn's first decode steps spend their time: `tailorkv run`'s path (cap, kernels loaded, one
 Engine) with a long first turn, then a short one; each decode step timed alone (synchronized), and each CUDA
-graph capture split into its phases (eager warm-ups, capture, the graph's first replay).
+graph capture split into its phases (its two eager warm-ups, then the capture).
     PYTHONPATH=src python3 bench/probes/first_decode_steps.py --prompt 118028 --steps 40 --out DIR"""
 from __future__ import annotations
 
@@ -22,35 +22,51 @@ from tailorkv.engine.settings import MethodSettings
 from tailorkv.engine.ui import load_with_progress, set_memory_limit
 
 
+class TimedModel:
+    """The model, each eager call synchronized and its end time appended to `marks` (a call inside a graph
+    capture cannot synchronize: the caller times the capture as a whole); optionally the first call cProfiled."""
+
+    def __init__(self, model, marks: list, profile: bool):
+        self.model, self.marks = model, marks
+        self.profile = cProfile.Profile() if profile else None
+
+    def __call__(self, *args, **kwargs):
+        prof = self.profile if len(self.marks) == 1 else None
+        if prof:
+            prof.enable()
+        out = self.model(*args, **kwargs)
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+            self.marks.append(time.perf_counter())
+        if prof:
+            prof.disable()
+        return out
+
+    def print_profile(self) -> None:
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(self.profile, stream=buf).sort_stats(key).print_stats(22)
+            print(buf.getvalue()[-6000:])
+
+
 def timed_capture(log, profile_first: bool):
+    """DecodeGraphs._capture itself, its eager warm-ups and the capture timed apart."""
+    capture = cuda_graph.DecodeGraphs._capture
+
     def _capture(self, step):
-        t = [time.perf_counter()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for i in range(2):
-                prof = cProfile.Profile() if profile_first and not log and i == 0 else None
-                if prof:
-                    prof.enable()
-                self.model(self.tokens, step, self.cache)
-                torch.cuda.synchronize()
-                if prof:
-                    prof.disable()
-                    for key in ("tottime", "cumulative"):
-                        buf = io.StringIO()
-                        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(22)
-                        print(buf.getvalue()[-6000:])
-                t.append(time.perf_counter())
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model(self.tokens, step, self.cache)
+        marks = [time.perf_counter()]
+        model, self.model = self.model, TimedModel(self.model, marks, profile_first and not log)
+        try:
+            graph_and_logits = capture(self, step)
+        finally:
+            timed, self.model = self.model, model
         torch.cuda.synchronize()
-        t.append(time.perf_counter())
-        self.pool = graph.pool()
+        t = marks + [time.perf_counter()]
+        if timed.profile:
+            timed.print_profile()
         log.append({"key": repr(step.key)[:160], "warmup1_ms": 1e3 * (t[1] - t[0]),
                     "warmup2_ms": 1e3 * (t[2] - t[1]), "capture_ms": 1e3 * (t[3] - t[2])})
-        return graph, logits
+        return graph_and_logits
     return _capture
 
 
