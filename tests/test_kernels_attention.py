@@ -354,6 +354,21 @@ def test_sparse_decode_attention_kernel_follows_device_scalars_in_a_graph():
         assert rel_err(out, want) < 2e-2
 
 
+def test_causal_attention_of_a_prompt_equals_masked_sdpa():
+    """A prompt from position 0 longer than the 2048-query chunks the CPU path once took: one causal call."""
+    from tailorkv.ops import attention
+    g = torch.Generator().manual_seed(SEED + 3)
+    q = torch.randn(1, 6, 2100, 16, generator=g)
+    k, v = (torch.randn(1, 2, 2100, 16, generator=g) for _ in range(2))
+    got = attention.causal_attention(q, k, v, 0)
+    seen = torch.ones(2100, 2100, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                            attn_mask=seen)
+    assert rel_err(got, want) < 1e-5
+    with pytest.raises(ValueError, match="2100 keys for 2000 queries from position 0"):
+        attention.causal_attention(q[:, :, :2000], k, v, 0)
+
+
 @pytest.mark.parametrize("B,Hq,Hkv,Tq,offset,D,score_bytes", [(1, 8, 2, 5, 40, 16, None), (2, 6, 3, 17, 100, 8, None),
                                                             (1, 8, 2, 9, 50, 16, 4 * 8 * 59 * 3)])
 def test_causal_attention_of_a_later_turn_equals_masked_sdpa(monkeypatch, B, Hq, Hkv, Tq, offset, D, score_bytes):
