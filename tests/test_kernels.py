@@ -137,6 +137,17 @@ def test_gather_rows_reference_writes_into_out():
         gather_rows(host, idx, torch.device("cpu"), out=torch.empty(2, 3, 6, 8))
 
 
+@pytest.mark.parametrize("view", ["padded rows", "a slice of the positions"])
+def test_gather_rows_reference_reads_views(view):
+    """Rows of a view: one whose (B, H, N) dims still flatten (rows wider than X) and one whose do not."""
+    g = torch.Generator().manual_seed(SEED + 2)
+    base = torch.randn(2, 3, 60, 16, generator=g)
+    host = base[..., :8] if view == "padded rows" else base[:, :, 10:50, 4:12]
+    idx = torch.randint(0, host.shape[2], (2, 3, 9), generator=g)
+    want = torch.stack([torch.stack([host[b, h, idx[b, h]] for h in range(3)]) for b in range(2)])
+    assert torch.equal(gather_rows(host, idx, torch.device("cpu")), want)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gather_rows_kernel_equals_reference(dtype):
