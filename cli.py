@@ -73,9 +73,10 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     ctx_len = check_ctx(ctx_len, cfg, model)
     settings = model_defaults(settings, family)
     check_for_model([settings], cfg, click.get_current_context())
-    settings = plan_memory(settings, cfg, family, ctx_len, limit, pick_dtype(dtype, dev), click.get_current_context())
+    dt = pick_dtype(dtype, dev, cfg)
+    settings = plan_memory(settings, cfg, family, ctx_len, limit, dt, click.get_current_context())
 
-    loaded = load_with_progress(model, weights, random_weights, dev, pick_dtype(dtype, dev))
+    loaded = load_with_progress(model, weights, random_weights, dev, dt)
     from tailorkv.models.loader import require_tokenizer
     require_tokenizer(loaded)
     from tailorkv.engine.chat import ChatSession

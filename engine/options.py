@@ -17,7 +17,7 @@ def model_options(fn):
         click.option("--random-weights", is_flag=True, help="same-shaped random model (speed/memory work)"),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N"),
         click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
-                     help="auto: bf16 where the device computes in it (GPUs, CPUs with AVX512-BF16/AMX), else fp32"),
+                     help="auto: bf16 on GPUs and CPUs with AMX, else fp32 (bf16 where fp32 weights would not fit)"),
         click.option("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)"),
     ]
     for o in reversed(opts):

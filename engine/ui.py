@@ -144,24 +144,43 @@ def pick_device(device: str):
         raise UserError(f"--device '{device}' is not a device: use auto, cpu or cuda[:N]") from None
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bf16 itself (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return f.read()
     except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+        return ""
 
 
-def pick_dtype(dtype: str, device):
-    """auto: bf16 where the device computes in it (CUDA with bf16, CPUs with AVX512-BF16 or AMX), fp16 on
-    older GPUs, else fp32."""
+def cpu_has_amx() -> bool:
+    """Whether this CPU multiplies bf16 in AMX tiles, where bf16 matmuls outrun fp32. AVX512-BF16 alone does not:
+    on the CI machine (Xeon, AVX512-BF16, no AMX) a bf16 GEMM ran at 148 GFLOP/s against fp32's 219, and an AVX2
+    CPU emulates bf16 (4x slower prefill)."""
+    return " amx_bf16" in _cpu_flags()
+
+
+def memory_available() -> int | None:
+    """Bytes the OS can give this process now (Linux MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def pick_dtype(dtype: str, device, cfg=None):
+    """auto: bf16 on GPUs with bf16 (fp16 on older ones); on a CPU fp32 (faster there and exact), bf16 with AMX or
+    where the model's fp32 weights (cfg) would take more than half the memory available (bf16 fits)."""
     import torch
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        free = memory_available()
+        too_big = cfg is not None and free is not None and 4 * cfg.params > free // 2
+        return torch.bfloat16 if cpu_has_amx() or too_big else torch.float32
     return {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}[dtype]
 

@@ -42,6 +42,11 @@ class ModelConfig:
         """The embedding table, and the output projection unless it is tied to it."""
         return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
 
+    @property
+    def params(self) -> int:
+        """All weights: every layer's projections and two norms, the table(s) and the final norm."""
+        return self.n_layers * (self.layer_matmul_params + 2 * self.dim) + self.embedding_params + self.dim
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
 

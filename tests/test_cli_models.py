@@ -38,7 +38,7 @@ def test_hub_id_from_the_cache(hub_cache):
     assert res.exit_code == 0, res.output
     load_line = next(line for line in res.output.splitlines() if "parameters" in line)
     assert load_line.startswith("tiny-org/tiny-llama: ") and "safetensors" in load_line
-    auto = dtype_name(pick_dtype("auto", torch.device("cpu")))  # bf16 on CPUs with AVX512-BF16 or AMX, else fp32
+    auto = dtype_name(pick_dtype("auto", torch.device("cpu")))  # bf16 on CPUs with AMX, else fp32
     assert f"{auto} weights" in load_line and "trained context 1024" in load_line
 
 
@@ -81,14 +81,21 @@ def test_a_model_path_that_is_neither_folder_nor_hub_id(tmp_path):
     assert not os.path.exists(tmp_path / "a")
 
 
-def test_auto_dtype_is_bf16_where_the_device_computes_in_it(monkeypatch):
+def test_auto_dtype_on_a_cpu_is_fp32_unless_amx_or_too_big(monkeypatch):
     import torch
     from tailorkv.engine import ui
+    from tailorkv.models.loader import peek_config
     cpu = torch.device("cpu")
-    monkeypatch.setattr(ui, "cpu_has_bf16", lambda: True)
-    assert ui.pick_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(ui, "cpu_has_bf16", lambda: False)
-    assert ui.pick_dtype("auto", cpu) == torch.float32  # AVX2 emulates bf16: 4x slower prefill
+    small, big = (peek_config(name, random_weights=True)[0] for name in ("smollm2-135m", "llama-3.1-8b"))
+    assert 30e9 < 4 * big.params < 33e9 and 4 * small.params < 1e9   # 8.03B and 135M weights
+    monkeypatch.setattr(ui, "memory_available", lambda: 24 << 30)
+    monkeypatch.setattr(ui, "cpu_has_amx", lambda: True)
+    assert ui.pick_dtype("auto", cpu, small) == torch.bfloat16
+    monkeypatch.setattr(ui, "cpu_has_amx", lambda: False)  # AVX512-BF16 alone or AVX2: fp32 is faster
+    assert ui.pick_dtype("auto", cpu, small) == torch.float32 and ui.pick_dtype("auto", cpu) == torch.float32
+    assert ui.pick_dtype("auto", cpu, big) == torch.bfloat16  # 32 GB of fp32 weights in 24 GiB: bf16 fits
+    monkeypatch.setattr(ui, "memory_available", lambda: None)  # unknown (not Linux): fp32
+    assert ui.pick_dtype("auto", cpu, big) == torch.float32
     assert ui.pick_dtype("bf16", cpu) == torch.bfloat16
 
 

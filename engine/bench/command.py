@@ -213,12 +213,13 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     dev = ui.pick_device(device)
     limit = ui.parse_bytes(gpu_mem_limit) if gpu_mem_limit else None
     cfg, family = options.peek(model, weights, random_weights)
+    dt = ui.pick_dtype(dtype, dev, cfg)
     settings = {m: options.model_defaults(s, family) for m, s in settings.items()}
     options.check_for_model(settings.values(), cfg, click.get_current_context())
     ctx_list = ctx_list or default_ctxs(cfg.max_context)
     if limit and dev.type == "cuda" and "tailorkv" in settings:  # the sketch's bits at the sweep's largest context
         settings["tailorkv"] = options.plan_memory(settings["tailorkv"], cfg, family, max(ctx_list), limit,
-                                                   ui.pick_dtype(dtype, dev), click.get_current_context(), batch)
+                                                   dt, click.get_current_context(), batch)
     plan = B.BenchPlan(ctxs=ctx_list, methods=names, settings=settings,
                        decode_steps=decode_steps, warmup=warmup, batch=batch, seed=seed,
                        hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps,
@@ -227,7 +228,7 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     limit = ui.cap_gpu_memory(gpu_mem_limit, dev)
     hbm_measured = B.measure_hbm_gbps(dev)
     torch.manual_seed(seed)
-    loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev))
+    loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
 
     out = out or R.numbered_dir(loaded.name if not os.path.exists(model) else model, "bench/results", "bench.json")
     json_path = os.path.join(out, "bench.json")

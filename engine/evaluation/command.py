@@ -186,7 +186,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
     options_mod.check_for_model([plan.settings(m, n, b.label) for m in plan.methods for n in plan.lengths
                                  for b in plan.budgets], cfg, click_ctx)
     torch.manual_seed(plan.seed)
-    loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev))
+    loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev, cfg))
     warnings = D.check_methods(loaded, plan)
     for w in warnings:
         ui.err.print(f"[yellow]warning: {escape(w)}[/]")

@@ -122,8 +122,8 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     text, raw, source = read_data(data)
 
     dev = ui.pick_device(device)
-    dt = ui.pick_dtype(dtype, dev)
     cfg, family = options.peek(model, weights, random_weights)
+    dt = ui.pick_dtype(dtype, dev, cfg)
     limit_ctx = cfg.max_context
     bits, bits_source = model_bits(family)  # checked before calibrating; shown with the result
     if length is not None and length > limit_ctx:
