@@ -34,8 +34,8 @@ def weight_bytes(cfg, dtype_bytes: int) -> int:
     """The projections, the output projection (the embedding table when tied) and the norms (two per layer, one at
     the end). An untied embedding table stays in pinned host memory (models/loader.py)."""
     from tailorkv.models.loader import embeddings_on_host
-    tables = cfg.embedding_params - (cfg.vocab_size * cfg.dim if embeddings_on_host(cfg, "cuda") else 0)
-    return dtype_bytes * (cfg.n_layers * (cfg.layer_matmul_params + 2 * cfg.dim) + tables + cfg.dim)
+    on_host = cfg.vocab_size * cfg.dim if embeddings_on_host(cfg, "cuda") else 0
+    return dtype_bytes * (cfg.params - on_host)
 
 
 def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> int:
