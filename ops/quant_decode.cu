@@ -94,14 +94,9 @@ __device__ __forceinline__ unsigned split_product(unsigned ph, unsigned plo, uns
     return h2fma(plo, s, split_product(ph, s, kneg));
 }
 
-// a warp stages BYTES (a multiple of 16) from src to shared dst with cp.async, all of them valid
-template <int BYTES> __device__ __forceinline__ void stage_all(void* dst, const void* src, int lane) {
-    #pragma unroll
-    for (int j = 0; j < (BYTES / 16 + 31) / 32; ++j) {
-        const int k = lane + 32 * j;
-        if (BYTES % 512 == 0 || k < BYTES / 16)
-            cp_async16(static_cast<char*>(dst) + 16 * k, static_cast<const char*>(src) + 16 * k, 16);
-    }
+// 16 bytes from global src to the shared address dst, all of them valid
+__device__ __forceinline__ void cp_async16s(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
 }
 
 extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
@@ -200,26 +195,41 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
         l_run[nn] = 0.f;
     }
 
-    auto issue = [&](int i) {
-        unsigned* st = wst + (i % STAGES) * STAGE_WORDS;
+    // each lane's 16-byte pieces of the warp's first group (the next groups' lie a fixed stride further): its
+    // pieces of the key codes and value codes (one per 512 bytes), one of the key scales + mins (D + D fp16), one
+    // of the value scales + mins (64 NGD + 64 NGD fp16); the stage holds each pair of arrays back to back
+    const char* kc_src = reinterpret_cast<const char*>(kc_b + (w0 / CPW) * D) + 16 * lane;
+    const char* ksm_src = lane < D / 8 ? reinterpret_cast<const char*>(ks_b + (w0 / 64) * D) + 16 * lane
+                                       : reinterpret_cast<const char*>(km_b + (w0 / 64) * D) + 16 * (lane - D / 8);
+    const char* vc_src = reinterpret_cast<const char*>(vc_b + w0 * WPT) + 16 * lane;
+    const char* vsm_src = lane < 8 * NGD ? reinterpret_cast<const char*>(vs_b + w0 * NGD) + 16 * lane
+                                         : reinterpret_cast<const char*>(vm_b + w0 * NGD) + 16 * (lane - 8 * NGD);
+    const unsigned st0 = (unsigned)__cvta_generic_to_shared(wst) + 16 * lane;
+    auto issue = [&](int i, int stg) {
+        const unsigned st = st0 + stg * (STAGE_WORDS * 4);
         const long long tg = w0 + 64LL * i;
-        stage_all<KROWS * D * 4>(st, kc_b + (tg / CPW) * D, lane);
-        stage_all<D * 2>(st + OFF_KS, ks_b + (tg / 64) * D, lane);
-        stage_all<D * 2>(st + OFF_KS + D / 2, km_b + (tg / 64) * D, lane);
+        #pragma unroll
+        for (int j = 0; j < KROWS * D / 128; ++j)
+            cp_async16s(st + 512 * j, kc_src + (long long)i * (KROWS * D * 4) + 512 * j);
+        if (lane < D / 4)
+            cp_async16s(st + OFF_KS * 4, ksm_src + (long long)i * (D * 2));
         if (vq - tg >= 64) {
-            stage_all<64 * WPT * 4>(st + OFF_V, vc_b + tg * WPT, lane);
-            stage_all<64 * NGD * 2>(st + OFF_VS, vs_b + tg * NGD, lane);
-            stage_all<64 * NGD * 2>(st + OFF_VS + 32 * NGD, vm_b + tg * NGD, lane);
+            #pragma unroll
+            for (int j = 0; j < WPT * 64 / 128; ++j)
+                cp_async16s(st + OFF_V * 4 + 512 * j, vc_src + (long long)i * (64 * WPT * 4) + 512 * j);
+            if (lane < 16 * NGD)
+                cp_async16s(st + OFF_VS * 4, vsm_src + (long long)i * (64 * NGD * 2));
         } else {                                                            // zeros from position vq on
+            unsigned* stp = wst + stg * STAGE_WORDS;
             const int nv = (int)max(0LL, vq - tg);
-            stage_copy<16>(st + OFF_V, vc_b + tg * WPT, 64 * WPT * 4, nv * WPT * 4, lane);
-            stage_copy<16>(st + OFF_VS, vs_b + tg * NGD, 64 * NGD * 2, nv * NGD * 2, lane);
-            stage_copy<16>(st + OFF_VS + 32 * NGD, vm_b + tg * NGD, 64 * NGD * 2, nv * NGD * 2, lane);
+            stage_copy<16>(stp + OFF_V, vc_b + tg * WPT, 64 * WPT * 4, nv * WPT * 4, lane);
+            stage_copy<16>(stp + OFF_VS, vs_b + tg * NGD, 64 * NGD * 2, nv * NGD * 2, lane);
+            stage_copy<16>(stp + OFF_VS + 32 * NGD, vm_b + tg * NGD, 64 * NGD * 2, nv * NGD * 2, lane);
         }
     };
 
-    auto body = [&](int i) {
-        const unsigned* st = wst + (i % STAGES) * STAGE_WORDS;
+    auto body = [&](int i, int stg) {
+        const unsigned* st = wst + stg * STAGE_WORDS;
         const long long tg = w0 + 64LL * i;
         // ---- 1. scores ----
         const unsigned* kw = st + (g * BITS / 4) * D;     // the code row holding this lane's tokens
@@ -408,7 +418,21 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
             }
         }
     };
-    warp_pipeline<STAGES>(ngrp, issue, body);
+    {   // the warp's cp.async pipeline, STAGES deep: group i in stage i % STAGES, one commit group per group
+        #pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) { if (i < ngrp) issue(i, i); cp_async_commit(); }
+        int si = STAGES - 1, sb = 0;
+        for (int i = 0; i < ngrp; ++i) {
+            if (i + STAGES - 1 < ngrp) issue(i + STAGES - 1, si);
+            cp_async_commit();
+            cp_async_wait<STAGES - 1>();
+            __syncwarp();
+            body(i, sb);
+            __syncwarp();
+            si = si == STAGES - 1 ? 0 : si + 1;
+            sb = sb == STAGES - 1 ? 0 : sb + 1;
+        }
+    }
 
     // ---- 4. the warp's sums per head (lane c: head 4 nn + c), then the block's ----
     float mterm[NN][NGD];                                      // the min term per head and scale group

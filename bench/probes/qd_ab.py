@@ -1,7 +1,9 @@
 """Variants of quant_decode.cu's partial kernel side by side: each checked against the torch reference on fresh
 inputs (1 and 2 bits, three shapes) and timed at 128k (Llama-3.1-8B shape), the variants interleaved over three
 rounds (best of them printed). A variant is `skip-keys`, `skip-values`, `skip-both` (the kernel without its key or
-value products, or both: timing only, wrong results), `base` (the repo's), or LABEL=PATH (another quant_decode.cu).
+value products, or both: timing only, wrong results), `base` (the repo's), or LABEL=PATH (another quant_decode.cu);
+any of them may end in @TPW/MINB: that many tokens per warp and resident blocks per SM (the launcher's
+TOKENS_PER_WARP and BLOCKS_PER_SM for 1 and 2 bits), e.g. `base@448/5`.
 Device only: PYTHONPATH=src python3 bench/probes/qd_ab.py OUT.json VARIANT..."""
 import json
 import os
@@ -23,8 +25,10 @@ with open(os.path.join(os.path.dirname(quant_decode_cuda.__file__), "quant_decod
     repo_text = f.read()
 
 
-def variant(name):
-    """load() compiles per shape at a first call: the variant's source is set around every call."""
+def variant(label):
+    """load() compiles per shape at a first call: the variant's source and split are set around every call."""
+    name, _, split = label.partition("@")
+    tpw, minb = (int(x) for x in split.split("/")) if split else (quant_decode_cuda.TOKENS_PER_WARP, None)
     if "=" in name:
         with open(name.split("=", 1)[1]) as f:
             alt = f.read()
@@ -33,12 +37,18 @@ def variant(name):
         make = lambda *a, **k: SKIPS[name] + base_source(*a, **k)  # noqa: E731
     fn = quant_decode_cuda.load(qda.reference)
 
+    base_tpw, base_minb = quant_decode_cuda.TOKENS_PER_WARP, dict(quant_decode_cuda.BLOCKS_PER_SM)
+
     def call(*args):
         quant_decode_cuda.source = make
+        quant_decode_cuda.TOKENS_PER_WARP = tpw
+        if minb is not None:
+            quant_decode_cuda.BLOCKS_PER_SM = {1: minb, 2: minb}
         try:
             return fn(*args)
         finally:
             quant_decode_cuda.source = base_source
+            quant_decode_cuda.TOKENS_PER_WARP, quant_decode_cuda.BLOCKS_PER_SM = base_tpw, dict(base_minb)
     return call
 
 
