@@ -28,9 +28,11 @@ def kernels_enabled(name: str | None = None) -> bool:
 
 
 def kernel_for(name: str, *tensors) -> Callable | None:
+    if not any(t.is_cuda for t in tensors):  # first: a CPU call reads no environment variables
+        return None
     if not kernels_enabled(name) or name in _FAILED or name not in _LOADERS:
         return None
-    if not any(t.is_cuda for t in tensors) or not all(gpu_readable(t) for t in tensors):
+    if not all(gpu_readable(t) for t in tensors):
         return None
     if name not in _KERNELS and not _load(name):
         return None

@@ -110,8 +110,11 @@ def combine_heads(scores: torch.Tensor, n_kv: int, rule: str = "lse", sm_scale: 
     s = scores.float().reshape(B, n_kv, Hq // n_kv, N)
     if rule == "sum":
         return s.sum(2)
-    if rule == "lse":
-        return torch.logsumexp(s * sm_scale, 2)
+    if rule == "lse":  # as torch.logsumexp(x, 2), whose reduction over a strided dim is slower on a CPU
+        x = s * sm_scale
+        m = x.amax(2)
+        m = m.masked_fill(m == float("-inf"), 0.0)
+        return (x - m[:, :, None]).exp_().sum(2).log_().add_(m)
     if rule == "psum":
         return torch.softmax(s * sm_scale, -1).sum(2)
     raise ValueError(f"unknown select rule {rule!r}: use {', '.join(COMBINE_RULES)}")
@@ -145,9 +148,10 @@ def sketch_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
 def topk_tokens(scores: torch.Tensor, k: int, offset: int = 0, out: torch.Tensor | None = None,
                 carry: TopKCarry | None = None) -> torch.Tensor:
     """scores [B, Hkv, N] -> token indices [B, Hkv, min(k, N)] (int64, offset + the index in the scored range),
-    in no promised order (this reference: best first; the kernel: index order); written into `out` if given.
+    in no promised order (this reference: torch's unsorted top-k, 2.5x faster than the sorted one on a CPU for
+    896 of 4k; the kernel: index order); written into `out` if given.
     `carry` (ops/topk_carry.py) only lets the kernel select among the tokens sketch_scores' kernel listed."""
-    idx = scores.topk(min(k, scores.shape[-1]), dim=-1).indices + offset
+    idx = scores.topk(min(k, scores.shape[-1]), dim=-1, sorted=False).indices + offset
     return idx if out is None else out.copy_(idx)
 
 

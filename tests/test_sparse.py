@@ -156,7 +156,7 @@ def test_approx_scores_hand_made():
     chans = torch.tensor([[[3, 0]]])
     got = approx_scores(q, gather_rows(kt, chans, torch.device("cpu")), chans)
     assert torch.allclose(got, torch.tensor([[[45.0, 52.0, 59.0]]]))
-    assert topk_tokens(got, 5).tolist() == [[[2, 1, 0]]]
+    assert sorted(topk_tokens(got, 5).flatten().tolist()) == [0, 1, 2]
 
 
 # --- (d) max|K| follows every token -----------------------------------------------------------------------

@@ -135,3 +135,17 @@ def test_topk_tokens_reference_adds_the_offset_and_fills_out():
     out = torch.empty(1, 1, 2, dtype=torch.int64)
     assert topk_tokens(scores, 2, 10, out) is out
     assert sorted(out.flatten().tolist()) == [11, 14] and sorted(topk_tokens(scores, 2).flatten().tolist()) == [1, 4]
+
+
+def test_combine_heads_lse_equals_torch_logsumexp_with_masked_tokens():
+    """The lse rule is written out (max, exp, sum, log): it must equal torch.logsumexp, tokens that every head or
+    one head masks (-inf) included, with no NaN."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(B, HQ, N, generator=g) * 20
+    s[0, :G, :4] = float("-inf")   # a token the whole first group masks
+    s[1, 0, 9] = float("-inf")     # a token one head masks
+    got = combine_heads(s, HKV, "lse", 0.25)
+    want = torch.logsumexp(s.reshape(B, HKV, G, N) * 0.25, 2)
+    assert not torch.isnan(got).any()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.allclose(got[torch.isfinite(want)], want[torch.isfinite(want)], rtol=1e-6, atol=1e-6)
