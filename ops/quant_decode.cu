@@ -11,9 +11,11 @@
 // 2h = hi, 2h + 1 = lo of query head 4 nn + h (NN tiles of 4 heads), so a lane's accumulator pair (c0 + c1) is one
 // head's sum to about fp32 precision.
 //   1. scores: M = 64 tokens (row g + 8h of m-tile mt = token 8g + 2mt + h: lane g's tokens are the byte / half
-//      word g of the group's codes), K = channels (k 2c, 2c+1, 2c+8, 2c+9 of k-tile kt = channels 16kt + 4c +
-//      0..3), B = q * key scale (per group and channel) as hi = q*s, lo = fma(q, s, -hi) in fp16; the min term
-//      q . min one more MMA per k-tile with A = the mins in every row and B = q;
+//      word g of the group's codes), K = channels (k 2c, 2c+1 | 2c+8, 2c+9 of k-tile 2kp + h = channels
+//      32kp + 8c + 2h + 0, 1 | + 4, 5: a lane reads its 8 channels of a k-tile pair as 16 bytes), B = q * key scale
+//      (per group and channel) as hi = q*s, lo = fma(q, s, -hi) in fp16; the min term q . min one more MMA per
+//      k-tile with A = the lane's 8 mins as loaded (row g holds k-tile 2kp's, row g + 8 k-tile 2kp + 1's: no copies)
+//      and B = q, so its sums are row g of one accumulator plus row g + 8 of another;
 //   2. an online softmax per head in log2 units (lane c holds head 4nn + c, tokens 8g .. 8g + 7);
 //   3. values: M = channels (row g + 8h of m-tile mt = channel 64 gd + 8g + 2 (mt % 4) + h, gd = its scale
 //      group), K = 64 tokens (k 2c, 2c+1, 2c+8, 2c+9 of k-tile kt = tokens 16kt + 4c + 0..3), B = p * value
@@ -153,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
     for (int kt = 0; kt < KT; ++kt)
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int h = 4 * nn + g / 2, d = 16 * kt + 4 * c + 2 * r;
+        const int h = 4 * nn + g / 2, d = 32 * (kt / 2) + 8 * c + 2 * (kt % 2) + 4 * r;
         const float x0 = h < G ? to_float(qb[h * qsh + d]) : 0.f, x1 = h < G ? to_float(qb[h * qsh + d + 1]) : 0.f;
         const __half2 hi = __floats2half2_rn(x0 * qscale, x1 * qscale);
         if (s == 0) {
@@ -235,35 +237,41 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
         const unsigned* kw = st + (g * BITS / 4) * D;     // the code row holding this lane's tokens
         const __half* ks = reinterpret_cast<const __half*>(st + OFF_KS);
         const __half* km = ks + D;
-        float acc[NN][4][4], bias[NN][4];
+        float acc[NN][4][4], bias[2][NN][4];   // bias[0]: row g, bias[1]: row g + 8 (see the k mapping)
         #pragma unroll
         for (int nn = 0; nn < NN; ++nn) {
-            bias[nn][0] = bias[nn][1] = bias[nn][2] = bias[nn][3] = 0.f;
+            bias[0][nn][0] = bias[0][nn][1] = bias[0][nn][2] = bias[0][nn][3] = 0.f;
+            bias[1][nn][0] = bias[1][nn][1] = bias[1][nn][2] = bias[1][nn][3] = 0.f;
             #pragma unroll
             for (int mt = 0; mt < 4; ++mt) acc[nn][mt][0] = acc[nn][mt][1] = acc[nn][mt][2] = acc[nn][mt][3] = 0.f;
         }
 #ifndef QD_SKIP_KEYS   // bench/probes/qd_ab.py times the kernel without its key (or value) products
         #pragma unroll
-        for (int kt = 0; kt < KT; ++kt) {
-            const uint4 w = *reinterpret_cast<const uint4*>(kw + 16 * kt + 4 * c);
-            const uint2 sp = *reinterpret_cast<const uint2*>(ks + 16 * kt + 4 * c);
-            const unsigned* mn = reinterpret_cast<const unsigned*>(km + 16 * kt + 4 * c);
-            unsigned x01[NCOPY], x23[NCOPY];
-            code_copies(prmt(w.x, w.y, fsel), x01);
-            code_copies(prmt(w.z, w.w, fsel), x23);
-            const unsigned am[4] = {mn[0], 0u, mn[1], 0u};  // the mins in row g (rows g + 8: 0)
+        for (int kp = 0; kp < KT / 2; ++kp) {               // k-tiles 2 kp, 2 kp + 1: channels 32 kp + 8c + 0..7
+            const uint4 wl = *reinterpret_cast<const uint4*>(kw + 32 * kp + 8 * c);
+            const uint4 wh = *reinterpret_cast<const uint4*>(kw + 32 * kp + 8 * c + 4);
+            const uint4 sp = *reinterpret_cast<const uint4*>(ks + 32 * kp + 8 * c);
+            const uint4 mn = *reinterpret_cast<const uint4*>(km + 32 * kp + 8 * c);
+            const unsigned am[4] = {mn.x, mn.y, mn.z, mn.w};
             #pragma unroll
-            for (int s = 0; s < S; ++s)
-            #pragma unroll
-            for (int nn = 0; nn < NN; ++nn) {
-                const unsigned b0 = split_product(qf[s][nn][kt][0], sp.x, kneg);
-                const unsigned b1 = split_product(qf[s][nn][kt][1], sp.y, kneg);
-                mma_f16(bias[nn], am, qf[s][nn][kt][0], qf[s][nn][kt][1]);   // column 2h: q . min
+            for (int h = 0; h < 2; ++h) {
+                const int kt = 2 * kp + h;
+                unsigned x01[NCOPY], x23[NCOPY];
+                code_copies(prmt(h ? wl.z : wl.x, h ? wl.w : wl.y, fsel), x01);
+                code_copies(prmt(h ? wh.z : wh.x, h ? wh.w : wh.y, fsel), x23);
                 #pragma unroll
-                for (int mt = 0; mt < 4; ++mt) {
-                    const unsigned a[4] = {code_bits(x01, 2 * mt), code_bits(x01, 2 * mt + 1),
-                                           code_bits(x23, 2 * mt), code_bits(x23, 2 * mt + 1)};
-                    mma_f16(acc[nn][mt], a, b0, b1);
+                for (int s = 0; s < S; ++s)
+                #pragma unroll
+                for (int nn = 0; nn < NN; ++nn) {
+                    const unsigned b0 = split_product(qf[s][nn][kt][0], h ? sp.y : sp.x, kneg);
+                    const unsigned b1 = split_product(qf[s][nn][kt][1], h ? sp.w : sp.z, kneg);
+                    mma_f16(bias[h][nn], am, qf[s][nn][kt][0], qf[s][nn][kt][1]);   // column 2h: q . min
+                    #pragma unroll
+                    for (int mt = 0; mt < 4; ++mt) {
+                        const unsigned a[4] = {code_bits(x01, 2 * mt), code_bits(x01, 2 * mt + 1),
+                                               code_bits(x23, 2 * mt), code_bits(x23, 2 * mt + 1)};
+                        mma_f16(acc[nn][mt], a, b0, b1);
+                    }
                 }
             }
         }
@@ -271,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
         float x[NN][8];                                    // head 4 nn + c, token 8g + j, log2 units
         #pragma unroll
         for (int nn = 0; nn < NN; ++nn) {
-            const float bs = bias[nn][0] * xs;
+            const float bs = (bias[0][nn][0] + bias[1][nn][2]) * xs;
             #pragma unroll
             for (int mt = 0; mt < 4; ++mt) {
                 x[nn][2 * mt] = fmaf(acc[nn][mt][0] + acc[nn][mt][1], fs[2 * mt], bs);
