@@ -74,20 +74,23 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
-// A warp's cp.async pipeline over its `count` items, STAGES deep: issue(i) stages item i (cp.async into the
-// stage i % STAGES; one commit group per item), body(i) runs once item i has landed; the warp syncs before and
-// after a body, so no lane refills a stage that another lane still reads.
+// A warp's cp.async pipeline over its `count` items, STAGES deep: issue(i, stage) stages item i (cp.async into
+// stage = i % STAGES, counted without a division; one commit group per item), body(i, stage) runs once item i has
+// landed; the warp syncs before and after a body, so no lane refills a stage that another lane still reads.
 template <int STAGES, class Issue, class Body>
 __device__ __forceinline__ void warp_pipeline(int count, Issue&& issue, Body&& body) {
     #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) { if (i < count) issue(i); cp_async_commit(); }
+    for (int i = 0; i < STAGES - 1; ++i) { if (i < count) issue(i, i); cp_async_commit(); }
+    int next = STAGES - 1, now = 0;
     for (int i = 0; i < count; ++i) {
-        if (i + STAGES - 1 < count) issue(i + STAGES - 1);
+        if (i + STAGES - 1 < count) issue(i + STAGES - 1, next);
         cp_async_commit();
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-        body(i);
+        body(i, now);
         __syncwarp();
+        next = next == STAGES - 1 ? 0 : next + 1;
+        now = now == STAGES - 1 ? 0 : now + 1;
     }
 }
 

@@ -426,21 +426,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MINB) quant_attn_partial(
             }
         }
     };
-    {   // the warp's cp.async pipeline, STAGES deep: group i in stage i % STAGES, one commit group per group
-        #pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) { if (i < ngrp) issue(i, i); cp_async_commit(); }
-        int si = STAGES - 1, sb = 0;
-        for (int i = 0; i < ngrp; ++i) {
-            if (i + STAGES - 1 < ngrp) issue(i + STAGES - 1, si);
-            cp_async_commit();
-            cp_async_wait<STAGES - 1>();
-            __syncwarp();
-            body(i, sb);
-            __syncwarp();
-            si = si == STAGES - 1 ? 0 : si + 1;
-            sb = sb == STAGES - 1 ? 0 : sb + 1;
-        }
-    }
+    warp_pipeline<STAGES>(ngrp, issue, body);
 
     // ---- 4. the warp's sums per head (lane c: head 4 nn + c), then the block's ----
     float mterm[NN][NGD];                                      // the min term per head and scale group

@@ -98,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
     const int last = min(ngroups, (blockIdx.x + 1) * groups_per_block);
     const int mine = first < last ? (last - first + WARPS - 1) / WARPS : 0;
 
-    auto issue = [&](int i) {
+    auto issue = [&](int i, int) {
         const int grp = first + i * WARPS;
         unsigned* dst = stage[warp][i % STAGES];
         const int ntok = min(GROUP, N - grp * GROUP);
@@ -106,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
         stage_copy<16>(dst + GROUP * WPT, sbase + (long long)grp * D, 2 * D, 2 * D, lane);
         stage_copy<16>(dst + GROUP * WPT + D / 2, mbase + (long long)grp * D, 2 * D, 2 * D, lane);
     };
-    warp_pipeline<STAGES>(mine, issue, [&](int i) {
+    warp_pipeline<STAGES>(mine, issue, [&](int i, int) {
         const int grp = first + i * WARPS;
         const unsigned* sc = stage[warp][i % STAGES];
         const __half2* ss = reinterpret_cast<const __half2*>(sc + GROUP * WPT);
