@@ -70,9 +70,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) av_quant_partial(
     const __half* mbase = mins + b * msb + kvh * msh;
     const float* pbase = probs + b * psb + (long long)kvh * G * psh;
 
-    auto issue = [&](int i, int stg) {{
+    auto issue = [&](int i, int) {{
         const int t0 = (first + i * WARPS) * 16, nval = min(16, T - t0);
-        unsigned* dst = stage[warp][stg];
+        unsigned* dst = stage[warp][i % STAGES];
         stage_copy<CU>(dst, cbase + (long long)t0 * WPT, 64 * WPT, nval * WPT * 4, lane);   // 16 tokens x WPT words
         stage_copy<SU>(dst + OFF_S, sbase + (long long)t0 * NGD, 32 * NGD, nval * NGD * 2, lane);
         stage_copy<SU>(dst + OFF_M, mbase + (long long)t0 * NGD, 32 * NGD, nval * NGD * 2, lane);
@@ -103,8 +103,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) av_quant_partial(
     #pragma unroll
     for (int gd = 0; gd < NGD; ++gd) bacc[mt][0][gd] = bacc[mt][1][gd] = 0.f;
 
-    warp_pipeline<STAGES>(mine, issue, [&](int i, int stg) {{
-        const unsigned* st = stage[warp][stg];
+    warp_pipeline<STAGES>(mine, issue, [&](int i, int) {{
+        const unsigned* st = stage[warp][i % STAGES];
         const __half* ss = reinterpret_cast<const __half*>(st + OFF_S);
         const __half* sm = reinterpret_cast<const __half*>(st + OFF_M);
         const float* sp = reinterpret_cast<const float*>(st + OFF_P);

@@ -94,9 +94,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
     const int last = min(ngroups, (blockIdx.x + 1) * groups_per_block);
     const int mine = first < last ? (last - first + WARPS - 1) / WARPS : 0;
 
-    auto issue = [&](int i, int stg) {{
+    auto issue = [&](int i, int) {{
         const int grp = first + i * WARPS;
-        unsigned* dst = stage[warp][stg];
+        unsigned* dst = stage[warp][i % STAGES];
         const int nr = min(ROWS, nrows - grp * ROWS);
         const unsigned* src = cbase + (long long)grp * ROWS * D;
         for (int j = lane; j < nr * (D / 4); j += 32) cp_async16(dst + 4 * j, src + 4 * j, 16);
@@ -105,9 +105,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) qk_quant_kernel(
             cp_async16(dst + ROWS * D + D / 2 + 4 * j, mbase + (long long)grp * D + 8 * j, 16);
         }}
     }};
-    warp_pipeline<STAGES>(mine, issue, [&](int i, int stg) {{
+    warp_pipeline<STAGES>(mine, issue, [&](int i, int) {{
         const int grp = first + i * WARPS;
-        const unsigned* sc = stage[warp][stg];
+        const unsigned* sc = stage[warp][i % STAGES];
         const __half* ss = reinterpret_cast<const __half*>(sc + ROWS * D);
         const __half* sm = ss + D;
 

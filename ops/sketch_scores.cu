@@ -98,17 +98,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) sketch_scores_kernel
     const int last = min(ngroups, (blockIdx.x + 1) * groups_per_block);
     const int mine = first < last ? (last - first + WARPS - 1) / WARPS : 0;
 
-    auto issue = [&](int i, int stg) {
+    auto issue = [&](int i, int) {
         const int grp = first + i * WARPS;
-        unsigned* dst = stage[warp][stg];
+        unsigned* dst = stage[warp][i % STAGES];
         const int ntok = min(GROUP, N - grp * GROUP);
         stage_copy<16>(dst, cbase + (long long)grp * GROUP * WPT, GROUP * WPT * 4, ntok * WPT * 4, lane);
         stage_copy<16>(dst + GROUP * WPT, sbase + (long long)grp * D, 2 * D, 2 * D, lane);
         stage_copy<16>(dst + GROUP * WPT + D / 2, mbase + (long long)grp * D, 2 * D, 2 * D, lane);
     };
-    warp_pipeline<STAGES>(mine, issue, [&](int i, int stg) {
+    warp_pipeline<STAGES>(mine, issue, [&](int i, int) {
         const int grp = first + i * WARPS;
-        const unsigned* sc = stage[warp][stg];
+        const unsigned* sc = stage[warp][i % STAGES];
         const __half2* ss = reinterpret_cast<const __half2*>(sc + GROUP * WPT);
         const __half2* sm = ss + D / 2;
 
