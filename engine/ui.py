@@ -67,7 +67,7 @@ def friendly(fn):
             raise UserError("the GPU ran out of memory: lower --ctx, use --method tailorkv, "
                             "or a smaller --dtype") from None
         except FileNotFoundError as e:
-            raise UserError(f"{e.filename}: no such file") from None
+            raise UserError(f"{e.filename}: no such file: check the path") from None
     return wrapper
 
 
@@ -122,7 +122,7 @@ def read_text_file(path: str, what: str) -> str:
     elif os.path.isdir(path):
         raise UserError(f"{what} {path} is a folder: give a text file")
     elif not os.path.isfile(path):
-        raise UserError(f"{what} {path}: no such file")
+        raise UserError(f"{what} {path}: no such file: check the path ({what} - reads stdin)")
     else:
         with open(path, "rb") as f:
             data = f.read()

@@ -151,7 +151,7 @@ def test_prompt_file_errors(tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("café".encode("latin-1"))
     assert_clean_error(call("run", "-f", str(bad)), f"--file {bad} is not UTF-8")
-    assert_clean_error(call("run", "-f", str(tmp_path / "nope.txt")), "no such file")
+    assert_clean_error(call("run", "-f", str(tmp_path / "nope.txt")), "no such file: check the path")
     assert_clean_error(call("run", "-f", str(tmp_path)), "is a folder")
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
