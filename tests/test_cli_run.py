@@ -181,3 +181,14 @@ def test_version_and_help():
     for flag in ("--file", "--threads", "--temp", "--min-p", "--repeat-penalty", "--repeat-last-n", "greedy",
                  "generation_config.json"):
         assert flag in res.output, flag
+
+
+def test_a_missing_file_raised_inside_a_command_names_the_fix(tmp_path):
+    from tailorkv.engine.ui import UserError, friendly
+
+    @friendly
+    def command():
+        open(tmp_path / "gone.bin", "rb")
+
+    with pytest.raises(UserError, match="gone.bin: no such file: check the path"):
+        command()
