@@ -117,6 +117,11 @@ def utf8_text(text: str, what: str) -> str:
 
 
 def read_text_file(path: str, what: str) -> str:
+    return read_text_bytes(path, what)[0]
+
+
+def read_text_bytes(path: str, what: str) -> tuple[str, bytes]:
+    """(text, raw bytes) of a UTF-8 file named by the flag `what`; "-" reads stdin."""
     if path == "-":
         data = sys.stdin.buffer.read()
     elif os.path.isdir(path):
@@ -127,7 +132,7 @@ def read_text_file(path: str, what: str) -> str:
         with open(path, "rb") as f:
             data = f.read()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8"), data
     except UnicodeDecodeError:
         raise UserError(f"{what} {path} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from None
 

@@ -227,8 +227,35 @@ def test_cli_missing_data_is_a_clean_error(cli_main, tiny_dir, tmp_path):
     out = tmp_path / "p.json"
     r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu",
                                       "--data", str(tmp_path / "nope.txt"), "--out", str(out)])
-    assert "no such file" in _one_error_line(r)
+    line = _one_error_line(r)
+    assert "no such file" in line and "--data - reads stdin" in line
     assert os.listdir(tmp_path) == []
+
+
+def test_cli_data_from_stdin_matches_the_file(cli_main, tiny_dir, tmp_path):
+    data = tmp_path / "calib.txt"
+    data.write_text(TEXT)
+    outs = {}
+    for name, flag, stdin in (("file", str(data), None), ("stdin", "-", TEXT.encode())):
+        outs[name] = tmp_path / f"{name}.json"
+        r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--data", flag,
+                                          "--length", "300", "--out", str(outs[name])], input=stdin)
+        assert r.exit_code == 0, r.output
+    file_prof, stdin_prof = (json.loads(outs[n].read_text()) for n in ("file", "stdin"))
+    assert stdin_prof["P"] == file_prof["P"]
+    assert stdin_prof["calibration"]["source"] == "stdin"
+    assert stdin_prof["calibration"]["sha256"] == file_prof["calibration"]["sha256"]
+
+
+def test_cli_data_folder_and_not_utf8_are_clean_errors(cli_main, tiny_dir, tmp_path):
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    out = tmp_path / "p.json"
+    for data, words in ((tmp_path, "is a folder"), (latin, "not UTF-8")):
+        r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu",
+                                          "--data", str(data), "--out", str(out)])
+        assert words in _one_error_line(r)
+    assert os.listdir(tmp_path) == ["latin1.txt"]
 
 
 def test_cli_empty_data_and_bad_tau(cli_main, tiny_dir, tmp_path):

@@ -26,7 +26,7 @@ def register(main) -> None:
 
     @main.command("profile")
     @options.model_options
-    @click.option("--data", default=None, help="calibration text file (UTF-8)  [default: the built-in text]")
+    @click.option("--data", default=None, help="calibration text file (UTF-8; - reads stdin)  [default: the built-in text]")
     @click.option("--tau", type=float, default=DEFAULT_TAU, show_default=True,
                   help="P above tau = quantization-friendly layer")
     @click.option("--length", type=int, default=None,
@@ -45,23 +45,16 @@ def register(main) -> None:
 
 
 def read_data(data: str | None) -> tuple[str, bytes, str]:
-    """(text, raw bytes, source label) of the calibration data."""
+    """(text, raw bytes, source label) of the calibration data: the built-in text, a file, or stdin ("-")."""
     if data is None:
         from tailorkv.engine.profiling.text import SOURCE, TEXT
         return TEXT, TEXT.encode("utf-8"), SOURCE
-    if os.path.isdir(data):
-        raise ValueError(f"--data {data} is a folder: give a text file")
-    if not os.path.isfile(data):
-        raise ValueError(f"--data {data}: no such file (leave --data out to use the built-in text)")
-    with open(data, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"--data {data} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from None
+    from tailorkv.engine.ui import read_text_bytes
+    text, raw = read_text_bytes(data, "--data")
     if not text.strip():
-        raise ValueError(f"--data {data} is empty: give a file with a few thousand tokens of text")
-    return text, raw, data
+        raise ValueError(f"--data {data} is empty: give a few thousand tokens of text (leave --data out for the "
+                         f"built-in text)")
+    return text, raw, "stdin" if data == "-" else data
 
 
 def default_out(loaded) -> str:
