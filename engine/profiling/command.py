@@ -26,7 +26,8 @@ def register(main) -> None:
 
     @main.command("profile")
     @options.model_options
-    @click.option("--data", default=None, help="calibration text file (UTF-8; - reads stdin)  [default: the built-in text]")
+    @click.option("--data", default=None,
+                  help="calibration text file (UTF-8; - reads stdin)  [default: the built-in text]")
     @click.option("--tau", type=float, default=DEFAULT_TAU, show_default=True,
                   help="P above tau = quantization-friendly layer")
     @click.option("--length", type=int, default=None,
