@@ -9,8 +9,8 @@ import click
 from tailorkv import __version__
 from tailorkv.engine.options import (check_for_model, check_knob_use, method_options, model_defaults, model_options,
                                      peek, plan_memory, settings_from)
-from tailorkv.engine.ui import (OneLineErrors, UserError, cap_gpu_memory, check_ctx, friendly, load_with_progress,
-                                parse_ctx, pick_device, pick_dtype, read_text_file, set_threads, utf8_text)
+from tailorkv.engine.ui import (OneLineErrors, UserError, cap_gpu_memory, check_ctx, err, friendly,
+                                load_with_progress, parse_ctx, pick_device, pick_dtype, read_text_file, set_threads, utf8_text)
 
 SAMPLING_HELP = ("Sampling defaults: each value the model's generation_config.json names (for smollm2-135m, "
                  "its model card's temperature 0.2 and top-p 0.9, kept in configs/), else llama.cpp's: temperature "
@@ -46,8 +46,8 @@ def main():
 @click.option("--gpu-mem-limit", default=None, help="cap device memory, weights included, e.g. 24GiB (as on a 24 GB card)")
 @friendly
 def run(model, weights, random_weights, device, dtype, threads, method, bits, budget, sink, recent, channels,
-        quant_layers, select, sketch_bits, select_rule, channel_rule, own_query_below, ctx, prompt, prompt_file, system,
-        max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, stop,
+        quant_layers, layer_profile, select, sketch_bits, select_rule, channel_rule, own_query_below, ctx, prompt,
+        prompt_file, system, max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, stop,
         no_chat_template, gpu_mem_limit, predict_ahead, predict_weights):
     """Chat with a model, or answer one --prompt / --file and exit."""
     from tailorkv.engine import sampling as S
@@ -57,14 +57,16 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
         utf8_text(system, "--system")
     for s in stop:
         utf8_text(s, "--stop")
+        if not s:
+            raise UserError("--stop is empty: give the text that ends an answer, e.g. --stop '###'")
     if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}: e.g. -n 256")
     flags = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                  repeat_last_n=repeat_last_n, seed=seed)
     S.resolve(flags)  # checks the values given, before anything loads
     check_knob_use(click.get_current_context(), [method])
     settings = settings_from(method, bits, budget, sink, recent, channels, quant_layers, select, sketch_bits,
-                             select_rule, channel_rule, own_query_below, predict_ahead, predict_weights)
+                             select_rule, channel_rule, own_query_below, predict_ahead, predict_weights, layer_profile)
     ctx_len = parse_ctx(ctx) if ctx is not None else None
     dev = pick_device(device)
     limit = cap_gpu_memory(gpu_mem_limit, dev)
@@ -72,7 +74,7 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     cfg, family = peek(model, weights, random_weights)
     ctx_len = check_ctx(ctx_len, cfg, model)
     settings = model_defaults(settings, family)
-    check_for_model([settings], cfg, click.get_current_context())
+    check_for_model([settings], cfg, click.get_current_context(), family)
     dt = pick_dtype(dtype, dev, cfg)
     settings = plan_memory(settings, cfg, family, ctx_len, limit, dt, click.get_current_context())
 
@@ -90,8 +92,12 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
         def out(s):
             sys.stdout.write(s)
             sys.stdout.flush()
-        chat.send(prompt, max_new_tokens, tuple(stop), on_text=out)
+        _, stats = chat.send(prompt, max_new_tokens, tuple(stop), on_text=out)
         sys.stdout.write("\n")
+        from tailorkv.engine.repl import context_full_note
+        note = context_full_note(stats, chat.engine, f"raise --ctx (the model supports {cfg.max_context})")
+        if note:
+            err.print(f"warning: {note}", style="yellow", markup=False)
         return
     from tailorkv.engine.repl import repl
     repl(chat, max_new_tokens, tuple(stop), sampling_note=f"{sampling.describe()} ({source})",

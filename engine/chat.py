@@ -8,6 +8,44 @@ from tailorkv.engine.generate import Engine, TurnStats
 from tailorkv.models.tokenizer import bos_prefix
 
 
+class StopText:
+    """The answer as it streams, cut at the first stop string (llama.cpp's and vLLM's rule: the stop string and
+    what follows are neither shown nor kept). Text that could be the start of a stop string waits for the next
+    piece before it is shown."""
+
+    def __init__(self, stop: tuple[str, ...], on_text: Callable[[str], None] | None):
+        self.stop, self.on_text, self.text, self.shown = stop, on_text, "", 0
+
+    def push(self, piece: str) -> bool:
+        """Adds a decoded piece; True once a stop string has appeared."""
+        self.text += piece
+        cut = self._cut()
+        self._show(len(self.text) - self._pending() if cut is None else cut)
+        return cut is not None
+
+    def finish(self) -> str:
+        """The answer: everything before the first stop string, all of it shown."""
+        cut = self._cut()
+        end = len(self.text) if cut is None else cut
+        self._show(end)
+        return self.text[:end]
+
+    def _cut(self) -> int | None:
+        found = [i for i in (self.text.find(x) for x in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _pending(self) -> int:
+        """The longest end of the text that begins some stop string."""
+        return max((n for x in self.stop for n in range(min(len(x) - 1, len(self.text)), 0, -1)
+                    if self.text.endswith(x[:n])), default=0)
+
+    def _show(self, end: int) -> None:
+        if end > self.shown:
+            if self.on_text:
+                self.on_text(self.text[self.shown:end])
+            self.shown = end
+
+
 @dataclass
 class ChatSession:
     engine: Engine
@@ -45,21 +83,17 @@ class ChatSession:
         self.engine.check_fits(len(ids))  # before touching history: a too-long prompt loses nothing
         self.messages = pending
         decoder = tok.stream()
-        pieces: list[str] = []
+        answer = StopText(stop, on_text)
 
         def on_token(t: int) -> bool:
             s = decoder.push(t)
-            if s:
-                pieces.append(s)
-                if on_text:
-                    on_text(s)
-            return bool(stop) and any(x in "".join(pieces) for x in stop)
+            return answer.push(s) if s else False
 
         try:
             _, stats = self.engine.generate(ids, max_new_tokens, on_token)
         except KeyboardInterrupt:
             self.engine.recover()
-            self.messages.append({"role": "assistant", "content": self._answer(pieces, decoder, stop, on_text)})
+            self.messages.append({"role": "assistant", "content": self._answer(decoder, answer)})
             raise
         except Exception:  # out of memory, a failing kernel: the turn is dropped, the conversation kept
             self.messages = pending[:-1]
@@ -68,22 +102,16 @@ class ChatSession:
             except Exception:
                 self.engine.reset()  # the next turn prefills the whole conversation again
             raise
-        answer = self._answer(pieces, decoder, stop, on_text)
-        self.messages.append({"role": "assistant", "content": answer})
-        return answer, stats
+        text = self._answer(decoder, answer)
+        self.messages.append({"role": "assistant", "content": text})
+        return text, stats
 
     @staticmethod
-    def _answer(pieces: list[str], decoder, stop: tuple[str, ...], on_text) -> str:
+    def _answer(decoder, answer: StopText) -> str:
         rest = decoder.flush()
         if rest:
-            pieces.append(rest)
-            if on_text:
-                on_text(rest)
-        answer = "".join(pieces)
-        for x in stop:
-            if x in answer:
-                answer = answer[:answer.index(x)]
-        return answer
+            answer.push(rest)
+        return answer.finish()
 
     def reset(self) -> None:
         self.engine.reset()

@@ -63,11 +63,17 @@ class Engine:
         self.tokens = []
 
     def check_fits(self, n_new: int) -> None:
-        if len(self.tokens) + n_new > self.max_len:
-            raise ContextTooLong(
-                f"the prompt needs {len(self.tokens) + n_new} tokens but --ctx is {self.max_len}: "
-                f"raise --ctx (the model supports {self.loaded.cfg.max_context}) or shorten the prompt"
-                + (" or /reset the chat" if self.tokens else ""))
+        need, model_max = len(self.tokens) + n_new, self.loaded.cfg.max_context
+        if need <= self.max_len:
+            return
+        fixes = []
+        if need <= model_max:
+            fixes.append(f"raise --ctx (the model supports {model_max})")
+        if self.tokens and n_new < self.max_len:
+            fixes.append("/reset the chat (the conversation so far fills the rest)")
+        if n_new >= self.max_len or not fixes:
+            fixes.append("shorten the prompt")
+        raise ContextTooLong(f"the prompt needs {need} tokens but --ctx is {self.max_len}: {' or '.join(fixes)}")
 
     def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Feed ids after what the cache holds; returns logits of the last (or every) position."""

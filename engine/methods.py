@@ -13,7 +13,31 @@ from tailorkv.engine.settings import DEFAULT_BITS, MethodSettings
 from tailorkv.models.loader import CONFIG_DIR
 
 
-def _profile(family: dict) -> dict | None:
+NO_PROFILE = ("tailorkv needs a layer profile and this model ships none: write one with `tailorkv profile --model "
+              "{model} --out prof.json` and pass --layer-profile prof.json, or pass --quant-layers 0,1")
+
+
+def read_profile(path: str) -> dict:
+    """A layer profile written by `tailorkv profile`; a ValueError naming the file and the fix otherwise."""
+    if os.path.isdir(path):
+        raise ValueError(f"--layer-profile {path} is a folder: give the profile's JSON file")
+    if not os.path.isfile(path):
+        raise ValueError(f"--layer-profile {path}: no such file: check the path (`tailorkv profile --out FILE` "
+                         f"writes one)")
+    try:
+        with open(path, "rb") as f:
+            prof = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        prof = None
+    ok = isinstance(prof, dict) and isinstance(prof.get("quant_layers"), list) \
+        and all(type(i) is int for i in prof["quant_layers"])
+    if not ok:
+        raise ValueError(f"--layer-profile {path} is not a layer profile (a JSON with \"quant_layers\"): give a "
+                         f"file written by `tailorkv profile`")
+    return prof
+
+
+def shipped_profile(family: dict) -> dict | None:
     """The model's calibration profile (configs/profiles), if it has one."""
     prof = family.get("profile") or (f"profiles/{family['name']}.json" if family.get("name") else None)
     path = os.path.join(CONFIG_DIR, prof) if prof else None
@@ -23,10 +47,26 @@ def _profile(family: dict) -> dict | None:
     return None
 
 
-def profile_quant_layers(family: dict) -> list[int] | None:
-    """Quantization-friendly layers: from the model's calibration profile, else the family's paper value."""
-    prof = _profile(family)
-    return list(prof["quant_layers"]) if prof else family.get("quant_layers")
+def with_profile(settings: MethodSettings, family: dict, n_layers: int, model: str = "MODEL") -> MethodSettings:
+    """tailorkv's settings with what its layer profile decides filled in: the quantized layers (else the family's
+    paper value) and the layers that select from their own query. A profile of another model (its layer count)
+    or none at all is a ValueError naming the fix."""
+    if settings.method != "tailorkv" or (settings.quant_layers is not None and settings.own_query_layers is not None):
+        return settings
+    given = settings.layer_profile
+    prof = read_profile(given) if given else shipped_profile(family)
+    if given and prof.get("n_layers", n_layers) != n_layers:
+        raise ValueError(f"--layer-profile {given} was written for a model of {prof['n_layers']} layers, this one "
+                         f"has {n_layers}: profile this model (`tailorkv profile --model {model} --out FILE`)")
+    quant = settings.quant_layers
+    if quant is None:
+        quant = list(prof["quant_layers"]) if prof else family.get("quant_layers")
+    if quant is None:
+        raise ValueError(NO_PROFILE.format(model=model))
+    own = settings.own_query_layers
+    if own is None:
+        own = own_query_layers_of(prof.get("prediction_cos") if prof else None, settings.own_query_below)
+    return dataclasses.replace(settings, quant_layers=quant, own_query_layers=own)
 
 
 def model_bits(family: dict) -> tuple[int, str]:
@@ -64,10 +104,7 @@ def layer_policies(settings: MethodSettings, n_layers: int, family: dict) -> lis
     if m == "tailorkv":
         quant = settings.quant_layers
         if quant is None:
-            quant = profile_quant_layers(family)
-        if quant is None:
-            raise ValueError("no layer profile for this model: run `tailorkv profile --model ...` "
-                             "or pass --quant-layers 0,1")
+            quant = with_profile(settings, family, n_layers).quant_layers
         bad = [i for i in quant if not 0 <= i < n_layers]
         if bad:
             raise ValueError(f"--quant-layers {bad} out of range: the model has {n_layers} layers")
@@ -103,12 +140,8 @@ def build_cache(loaded, settings: MethodSettings, max_len: int, batch: int = 1,
                 device=None, dtype: torch.dtype | None = None, overlap: bool = True) -> ModelCache:
     """overlap=False: one stream for everything (the synchronous reference of the two-stream pipeline)."""
     settings.validate()
-    settings = with_model_defaults(settings, loaded.family)
-    if settings.method == "tailorkv" and settings.own_query_layers is None:
-        prof = _profile(loaded.family)
-        own = own_query_layers_of(prof.get("prediction_cos") if prof else None, settings.own_query_below)
-        settings = dataclasses.replace(settings, own_query_layers=own)
     model, cfg = loaded.model, loaded.cfg
+    settings = with_profile(with_model_defaults(settings, loaded.family), loaded.family, cfg.n_layers)
     device = device or model.output_weight.device
     dtype = dtype or model.output_weight.dtype
     names = layer_policies(settings, cfg.n_layers, loaded.family)

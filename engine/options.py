@@ -47,7 +47,10 @@ def method_options(fn):
         click.option("--channels", type=int, default=d.channels, show_default=True,
                      help=f"r channels per KV head, at most the head dimension ({_users('channels')})"),
         click.option("--quant-layers", default=None,
-                     help=f"e.g. 0,1 (default: the model's profile; {_users('quant_layers')})"),
+                     help=f"e.g. 0,1 (default: the layer profile's; {_users('quant_layers')})"),
+        click.option("--layer-profile", type=click.Path(dir_okay=False), default=None,
+                     help="the layer profile, a JSON written by `tailorkv profile` (default: the model's shipped "
+                          f"one, configs/profiles/NAME.json) ({_users('layer_profile')})"),
         click.option("--select", type=click.Choice(SELECT_MODES), default=d.select, show_default=True,
                      help="sparse layers' scores: the paper's r channels of K^T from host memory (channels), "
                           "a 1/2/4-bit key sketch kept on the device (sketch), or the sketch scored one layer "
@@ -80,8 +83,8 @@ def method_options(fn):
     return fn
 
 
-KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "select", "sketch_bits", "predict_ahead",
-         "predict_weights", "select_rule", "channel_rule", "own_query_below")
+KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "layer_profile", "select", "sketch_bits",
+         "predict_ahead", "predict_weights", "select_rule", "channel_rule", "own_query_below")
 
 
 def given_knobs(ctx: click.Context) -> list[str]:
@@ -107,7 +110,8 @@ def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
 
 
 def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select="channels", sketch_bits=2,
-                  select_rule=None, channel_rule=None, own_query_below=None, predict_ahead=1, predict_weights="bf16"):
+                  select_rule=None, channel_rule=None, own_query_below=None, predict_ahead=1, predict_weights="bf16",
+                  layer_profile=None):
     from tailorkv.engine.settings import MethodSettings
     ql = None
     if quant_layers is not None:
@@ -118,7 +122,7 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
     rules = {k: v for k, v in (("select_rule", select_rule), ("channel_rule", channel_rule),
                                ("own_query_below", own_query_below)) if v is not None}
     s = MethodSettings(method=method, bits=None if bits is None else int(bits), budget=budget, sink=sink,
-                       recent=recent, channels=channels, quant_layers=ql, select=select,
+                       recent=recent, channels=channels, quant_layers=ql, layer_profile=layer_profile, select=select,
                        sketch_bits=int(sketch_bits), predict_ahead=predict_ahead, predict_weights=predict_weights,
                        **rules)
     try:
@@ -128,14 +132,19 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
     return s
 
 
-def check_for_model(settings_list, cfg, ctx: click.Context) -> None:
-    """Knobs against the model's shape. Only a --channels the user gave is checked: the default (the paper's
-    12) is cut to a smaller head dimension by the policy."""
+def check_for_model(settings_list, cfg, ctx: click.Context, family: dict) -> None:
+    """Knobs against the model's shape, and tailorkv's layer profile (given, shipped, or none: an error). Only a
+    --channels the user gave is checked: the default (the paper's 12) is cut to a smaller head dimension by the
+    policy."""
+    import shlex
     from dataclasses import replace
+    from tailorkv.engine.methods import with_profile
     given = given_knobs(ctx)
+    model = shlex.quote(ctx.params.get("model") or "MODEL")
     for s in settings_list:
         try:
             (s if "channels" in given else replace(s, channels=1)).check_model(cfg.head_dim, cfg.n_layers)
+            with_profile(s, family, cfg.n_layers, model)
         except ValueError as e:
             raise UserError(str(e)) from None
 

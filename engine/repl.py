@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from tailorkv.engine.ui import fmt_bytes
+from tailorkv.engine.ui import err, fmt_bytes
 
 HELP = "/reset clears the chat, /stats shows the last turn's figures, /exit quits; Ctrl-C stops an answer, Ctrl-D exits"
 ON_DEVICE_ALL = ("full", "quest")  # methods that keep every token's K and V on the device
@@ -30,6 +30,14 @@ def turn_line(stats, engine) -> str:
             f"decode {stats.new_tokens} tok at {stats.decode_tps:.1f} tok/s | {kv_line(engine)}")
 
 
+def context_full_note(stats, engine, fix: str) -> str | None:
+    """What to say when an answer stopped because the context filled up (else None)."""
+    if stats.stop != "context full":
+        return None
+    return (f"the answer stopped after {stats.new_tokens} tokens: the context (--ctx {engine.max_len} tokens) is "
+            f"full: {fix}")
+
+
 def counters_text(stats: dict) -> str:
     parts = []
     for k, v in sorted(stats.items()):
@@ -40,7 +48,8 @@ def counters_text(stats: dict) -> str:
 
 def stats_text(chat, last) -> str:
     eng = chat.engine
-    lines = [f"last turn: {turn_line(last, eng)}" if last else f"no turn since the start or /reset; {kv_line(eng)}",
+    lines = [f"last turn: {turn_line(last, eng)}" if last else
+             f"no finished turn since the start or /reset; {kv_line(eng)}",
              f"{len(chat.messages)} messages; sampling {eng.sampling.describe()}",
              f"{eng.cache.method} counters (last step): {counters_text(eng.cache.stats())}"]
     return "\n".join(lines)
@@ -69,7 +78,7 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = 
         try:
             cmd.encode("utf-8")
         except UnicodeEncodeError:
-            con.print("[bold red]error:[/] that line holds bytes that are not UTF-8 text: type it again "
+            err.print("[bold red]error:[/] that line holds bytes that are not UTF-8 text: type it again "
                       "(the chat is kept)")
             continue
         if cmd in ("/exit", "/quit", "/bye"):
@@ -97,13 +106,16 @@ def turn(con: Console, chat, text: str, max_new_tokens: int, stop: tuple[str, ..
         _, stats = chat.send(text, max_new_tokens, stop, on_text=lambda s: con.out(s, end="", highlight=False))
         con.print()
         con.print(f"[dim]{turn_line(stats, eng)}[/]")
+        note = context_full_note(stats, eng, "/reset the chat, or restart with a larger --ctx")
+        if note:
+            err.print(f"[yellow]{escape(note)}[/]")
         return stats
     except KeyboardInterrupt:
         con.print("\n[dim](stopped; the history is kept)[/]")
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
-        con.print("[bold red]error:[/] the GPU ran out of memory in this turn: /reset, or restart with a lower "
+        err.print("[bold red]error:[/] the GPU ran out of memory in this turn: /reset, or restart with a lower "
                   "--ctx or --method tailorkv")
     except (ContextTooLong, ValueError) as e:
-        con.print(f"[bold red]error:[/] {escape(str(e))}")
+        err.print(f"[bold red]error:[/] {escape(str(e))}")
     return None

@@ -5,6 +5,7 @@ Where the defaults come from (first that applies): the flag, the model's generat
 general.sampling.* metadata), the defaults llama.cpp users know (LLAMA_CPP_DEFAULTS)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -36,6 +37,9 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature:g}")
         if not 0 < self.top_p <= 1:
@@ -48,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"--repeat-penalty must be > 0 (1 = off), got {self.repeat_penalty:g}")
         if self.repeat_last_n < -1:
             raise ValueError(f"--repeat-last-n must be >= -1 (0 = off, -1 = the whole answer), got {self.repeat_last_n}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"--seed must be in 0 .. 2^63 - 1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

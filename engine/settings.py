@@ -19,6 +19,7 @@ KNOB_USERS = {
     "recent": ("tailorkv",),
     "channels": ("tailorkv",),
     "quant_layers": ("tailorkv",),
+    "layer_profile": ("tailorkv",),
     "select": ("tailorkv",),
     "sketch_bits": ("tailorkv",),
     "predict_ahead": ("tailorkv",),
@@ -50,7 +51,8 @@ class MethodSettings:
     #                            sketch-ahead = the same sketch scored one layer early from the predicted query,
     #                            the chosen K/V rows gathered on the copy stream under the layer before's compute
     sketch_bits: int = 2       # bits of the sketch (SKETCH_BITS)
-    quant_layers: list[int] | None = None  # None: from the model's profile
+    quant_layers: list[int] | None = None  # None: from the layer profile
+    layer_profile: str | None = None  # a `tailorkv profile` JSON; None: the model's shipped one (configs/profiles)
     own_query_below: float = 0.5  # sparse layers whose profiled q-hat cosine (one-layer-early prediction) is below
     #                               this select from their own query, without the prefetch; 0 = never
     own_query_layers: list[int] | None = None  # None: from the profile and own_query_below (build_cache)
@@ -88,10 +90,20 @@ class MethodSettings:
             raise ValueError(f"--bits must be 1 or 2, got {self.bits}")
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"--sink and --recent must be >= 0, got {self.sink} and {self.recent}")
-        if self.method == "tailorkv" and self.budget < self.sink + self.recent:  # the others check their own
-            raise ValueError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}")
+        if self.method == "tailorkv" and self.budget < self.sink + self.recent:
+            raise ValueError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}: "
+                             f"raise --budget or lower --sink / --recent")
+        if self.method == "streamingllm" and self.budget <= self.sink:
+            raise ValueError(f"--budget {self.budget} must exceed --sink {self.sink} under streamingllm: raise "
+                             f"--budget or lower --sink")
+        if self.method == "snapkv" and not 1 <= self.snap_window < self.budget:
+            raise ValueError(f"--budget {self.budget} must exceed snapkv's observation window ({self.snap_window} "
+                             f"tokens): raise --budget")
+        if self.method == "quest" and not 1 <= self.page <= self.budget:
+            raise ValueError(f"--budget {self.budget} must be at least one quest page ({self.page} tokens): raise "
+                             f"--budget")
         if self.channels < 1:
-            raise ValueError(f"--channels must be at least 1, got {self.channels}")
+            raise ValueError(f"--channels must be at least 1, got {self.channels}: e.g. the paper's 12")
         if self.select not in SELECT_MODES:
             raise ValueError(f"--select {self.select}: use {', '.join(SELECT_MODES)}")
         if self.sketch_bits not in SKETCH_BITS:
@@ -119,6 +131,9 @@ class MethodSettings:
         bad = [i for i in self.quant_layers or [] if not 0 <= i < n_layers]
         if bad:
             raise ValueError(f"--quant-layers {bad[0]} is out of range: the model has layers 0..{n_layers - 1}")
+        if self.predict_ahead >= n_layers:
+            raise ValueError(f"--predict-ahead {self.predict_ahead} reaches before the first layer: the model has "
+                             f"{n_layers} layers, use at most {n_layers - 1}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -24,6 +24,14 @@ class UserError(click.ClickException):
         err.print(f"[bold red]error:[/] {escape(self.message)}", highlight=False, soft_wrap=True)
 
 
+class Interrupted(UserError):
+    """Ctrl-C during long work: one line saying what was kept and how to finish; exit status 130 (SIGINT's)."""
+    exit_code = 130
+
+    def __init__(self, message: str):
+        super().__init__(f"interrupted: {message}")
+
+
 NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
 
@@ -52,6 +60,10 @@ class OneLineErrors(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+HOST_OOM = ("this machine ran out of memory (RAM): use --dtype bf16 (half of fp32's bytes), a lower --ctx or a "
+            "smaller model, or close what else uses memory")
+
+
 def friendly(fn):
     """Turn the errors a user can cause into one clear line."""
     @functools.wraps(fn)
@@ -66,6 +78,12 @@ def friendly(fn):
         except torch.cuda.OutOfMemoryError:
             raise UserError("the GPU ran out of memory: lower --ctx, use --method tailorkv, "
                             "or a smaller --dtype") from None
+        except MemoryError:
+            raise UserError(HOST_OOM) from None
+        except RuntimeError as e:  # torch's CPU allocator reports a failed allocation as a RuntimeError
+            if "can't allocate memory" in str(e) or "DefaultCPUAllocator" in str(e):
+                raise UserError(HOST_OOM) from None
+            raise
         except FileNotFoundError as e:
             raise UserError(f"{e.filename}: no such file: check the path") from None
     return wrapper
@@ -76,9 +94,12 @@ def parse_length(text: str, flag: str = "--ctx") -> int:
     t = text.strip().lower()
     scale = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
     try:
-        return int(float(t[:-1] if scale > 1 else t) * scale) if scale > 1 else int(t)
+        n = float(t[:-1]) * scale if scale > 1 else int(t)
     except ValueError:
-        raise ValueError(f"{flag} '{text}' is not a length: write e.g. 8192, 8k or 128k") from None
+        n = -1
+    if not 0 <= n < 2 ** 62:  # also inf, nan
+        raise ValueError(f"{flag} '{text}' is not a length: write e.g. 8192, 8k or 128k")
+    return int(n)
 
 
 def parse_ctx(text: str, flag: str = "--ctx") -> int:
@@ -194,7 +215,10 @@ def set_threads(threads: int | None) -> None:
     if threads is not None:
         import torch
         if threads < 1:
-            raise UserError(f"--threads must be at least 1, got {threads}")
+            raise UserError(f"--threads must be at least 1, got {threads}: e.g. -t {os.cpu_count() or 1}")
+        cores = os.cpu_count() or 1
+        if threads > 4 * cores:
+            raise UserError(f"--threads {threads} is more than 4x this machine's {cores} cores: use at most {cores}")
         torch.set_num_threads(threads)
 
 

@@ -33,7 +33,7 @@ from tailorkv.engine.evaluation.budgets import split_budget
 from tailorkv.engine.evaluation.plan import EvalPlan
 from tailorkv.engine.evaluation.scoring import score
 from tailorkv.engine.generate import Engine
-from tailorkv.engine.methods import profile_quant_layers
+from tailorkv.engine.methods import with_profile
 from tailorkv.engine.policies.full import FullCache
 from tailorkv.engine.policies.quant import QuantCache
 from tailorkv.engine.results import environment
@@ -138,7 +138,7 @@ class SelectCache(FullCache):
 
 def build(loaded, max_len: int) -> ModelCache:
     cfg = loaded.cfg
-    quant = set(profile_quant_layers(loaded.family) or [])
+    quant = set(with_profile(MethodSettings("tailorkv"), loaded.family, cfg.n_layers).quant_layers)
     layers = []
     for i in range(cfg.n_layers):
         spec = LayerSpec(i, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, max_len, 1, torch.float32,

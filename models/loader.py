@@ -64,6 +64,8 @@ def resolve(name: str, weights: str | None = None, random_weights: bool = False)
     """(the family entry, the path of the weights) for what the user named. A hub id becomes its snapshot
     folder in the Hugging Face cache; a family name without --weights takes its shipped weights, if any."""
     from tailorkv.models import hub
+    if random_weights and weights is not None:
+        raise LoadError("--random-weights and --weights both say where the weights come from: use one of them")
     family: dict = {}
     path = weights
     if name.endswith(".gguf") or os.path.isdir(name) or os.sep in name:

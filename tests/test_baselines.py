@@ -98,13 +98,14 @@ def test_truncate_then_continue_equals_full_when_covered(gen, name):
 
 
 def test_bad_settings_are_rejected():
-    spec = make_spec(4, 4)
-    with pytest.raises(ValueError):
-        One(StreamingCache(spec, settings(budget=4, sink=4)))
-    with pytest.raises(ValueError):
-        One(SnapKVCache(spec, settings(budget=8, snap_window=8)))
-    with pytest.raises(ValueError):
-        One(QuestCache(spec, settings(budget=8, page=16)))
+    """Budgets a policy cannot work with are refused by the settings, before any cache is built."""
+    with pytest.raises(ValueError, match="must exceed --sink 4 under streamingllm"):
+        settings(method="streamingllm", budget=4, sink=4).validate()
+    with pytest.raises(ValueError, match="must exceed snapkv's observation window"):
+        settings(method="snapkv", budget=8, snap_window=8).validate()
+    with pytest.raises(ValueError, match="at least one quest page"):
+        settings(method="quest", budget=8, page=16).validate()
+    settings(method="quest", budget=16, page=16).validate()
 
 
 # --- offload -----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from tailorkv.engine.bench import driver as B
 from tailorkv.engine.bench.command import register
 from tailorkv.engine.results import percentile
 from tailorkv.engine.settings import METHODS
-from helpers import check_png, load_json_strict as load, write_tiny_hf
+from helpers import assert_one_line_error, check_png, load_json_strict as load, write_tiny_hf
 
 FAST = ["--decode-steps", "4", "--warmup", "1", "--device", "cpu", "--dtype", "fp32",
         "--budget", "48", "--sink", "8", "--recent", "16", "--channels", "4", "--quant-layers", "0"]
@@ -87,6 +87,51 @@ def test_sweep_writes_json_and_plots(tiny, tmp_path):
     assert "full" in r.output and "cells ok" in r.output
 
 
+def test_an_earlier_run_is_replaced_only_with_overwrite(tiny, tmp_path):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "bench.json").write_text('{"earlier": true}')
+    args = ["--model", tiny, "--methods", "full", "--ctx", "128", "--out", str(out), *FAST[:8]]
+    r = bench_cmd(*args)
+    assert_one_line_error(r, "already holds an earlier run's results: pass --overwrite")
+    assert " parameters, " not in r.output  # refused before the model loads
+    assert (out / "bench.json").read_text() == '{"earlier": true}'
+    r = bench_cmd(*args, "--overwrite")
+    assert r.exit_code == 0, r.output
+    res = load(out / "bench.json")
+    assert res["complete"] is True and [c["ctx"] for c in res["cells"]] == [128]
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_model_loads(tiny, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    r = bench_cmd("--model", tiny, "--methods", "full", "--out", str(a_file / "sub"), *FAST[:8])
+    assert_one_line_error(r, "a_file is a file, not a folder: choose another path")
+    r = bench_cmd("--model", tiny, "--methods", "full", "--out", "", *FAST[:8])
+    assert_one_line_error(r, "--out is empty")
+    assert " parameters, " not in r.output
+
+
+def test_ctrl_c_keeps_the_finished_cells_and_their_plots(tiny, tmp_path, monkeypatch):
+    real = B.run_sweep
+
+    def sweep(loaded, plan, on_cell, on_phase):
+        def first_cell_then_ctrl_c(cell):
+            on_cell(cell)
+            raise KeyboardInterrupt
+        return real(loaded, plan, on_cell=first_cell_then_ctrl_c, on_phase=on_phase)
+
+    monkeypatch.setattr(B, "run_sweep", sweep)
+    out = tmp_path / "b"
+    r = bench_cmd("--model", tiny, "--methods", "full", "--ctx", "128,256", "--out", str(out), *FAST[:8])
+    assert r.exit_code == 130 and "Traceback" not in r.output, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("error: interrupted: the 1 finished cells of 2 are in ") and "--overwrite" in last
+    res = load(out / "bench.json")
+    assert res["complete"] is False and [c["ctx"] for c in res["cells"]] == [128]
+    check_png(out / "decode_ms.png")
+
+
 def test_unknown_method_is_a_clean_error(tiny, tmp_path):
     r = bench_cmd("--model", tiny, "--ctx", "128", "--methods", "full,magic", "--out", str(tmp_path), *FAST)
     assert r.exit_code == 1
@@ -95,7 +140,7 @@ def test_unknown_method_is_a_clean_error(tiny, tmp_path):
 
 
 def test_bad_sizes_are_clean_errors(tiny, tmp_path):
-    r = bench_cmd("--model", tiny, "--ctx", "64", "--decode-steps", "60", "--out", str(tmp_path))
+    r = bench_cmd("--model", tiny, "--ctx", "64", "--decode-steps", "60", "--quant-layers", "0", "--out", str(tmp_path))
     assert r.exit_code == 1 and "no room for a prompt" in r.output
     r = bench_cmd("--model", tiny, "--ctx", "8k", "--methods", "full", "--out", str(tmp_path), *FAST[:6])
     assert r.exit_code == 1 and "beyond what the model supports" in r.output

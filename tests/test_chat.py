@@ -100,3 +100,38 @@ def test_a_failing_turn_keeps_the_conversation(smol):
     answer, stats = chat.send("What is my name?", max_new_tokens=12)
     assert eng.tokens[:len(held)] == held or stats.prompt_tokens > len(held)  # kept, or rebuilt from the history
     assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_stop_strings_are_neither_shown_nor_kept():
+    """llama.cpp's rule: the answer ends before the first stop string; text that may begin one waits for the
+    next piece, so a stop string split over tokens never reaches the screen either."""
+    from tailorkv.engine.chat import StopText
+    shown = []
+    s = StopText(("###", "END"), shown.append)
+    assert [s.push(p) for p in ["Hello", " wor", "ld#", "#"]] == [False] * 4
+    assert "".join(shown) == "Hello world"  # "##" might begin "###": held back
+    assert s.push("# and more") is True
+    assert s.finish() == "Hello world" and "".join(shown) == "Hello world"
+    shown.clear()
+    s = StopText(("###",), shown.append)
+    s.push("a#")
+    s.push("b")  # "#b" begins no stop string: all of it is shown
+    assert s.finish() == "a#b" and "".join(shown) == "a#b"
+    shown.clear()
+    s = StopText((), shown.append)
+    for p in ["x", "y"]:
+        assert s.push(p) is False
+    assert s.finish() == "xy" and shown == ["x", "y"]  # no stop strings: every piece shown as it comes
+
+
+def test_context_full_fixes_fit_the_case(smol):
+    from tailorkv.engine.generate import ContextTooLong
+    eng = Engine(smol, build_cache(smol, MethodSettings("full"), max_len=64))
+    with pytest.raises(ContextTooLong, match=r"needs 100 tokens but --ctx is 64: raise --ctx \(the model supports "
+                                             r"8192\) or shorten the prompt$"):
+        eng.check_fits(100)
+    with pytest.raises(ContextTooLong, match=r"needs 9000 tokens but --ctx is 64: shorten the prompt$"):
+        eng.check_fits(9000)  # beyond the model: raising --ctx cannot help
+    eng.forward(list(range(10, 60)))
+    with pytest.raises(ContextTooLong, match=r"needs 70 tokens .*raise --ctx .* or /reset the chat .*fills the rest\)$"):
+        eng.check_fits(20)  # the history is the cause: /reset helps, shortening a 20-token line would not

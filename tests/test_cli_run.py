@@ -7,7 +7,7 @@ import torch
 from click.testing import CliRunner
 
 from tailorkv.cli import main
-from helpers import assert_one_line_error as assert_clean_error, write_tiny_hf
+from helpers import assert_one_line_error as assert_clean_error, smollm2_gguf_or_skip, write_tiny_hf
 
 
 def call(*args, **kw):
@@ -96,11 +96,12 @@ def test_interactive_chat_commands():
     out = res.stdout
     assert "Paris" in out
     assert "prefill" in out and "reserved" in out and "held" in out  # per-turn stats: held vs reserved
-    assert "not UTF-8" in out and "the chat is kept" in out          # a bad line is refused, the chat goes on
+    assert "not UTF-8" in res.stderr and "the chat is kept" in res.stderr  # a bad line is refused (on stderr),
+    assert "not UTF-8" not in out                                          # the chat goes on
     assert "unknown command /foo" in out
     assert "conversation cleared" in out
     assert out.count("2 messages") == 1 and "0 messages" in out  # /stats before and after /reset
-    assert "last turn: prefill" in out and "no turn since the start or /reset" in out  # /reset forgets the figures
+    assert "last turn: prefill" in out and "no finished turn since the start or /reset" in out  # /reset forgets the figures
     assert "{" not in out.split("/reset")[0].split("Paris")[-1]   # counters are words, not a Python dict
 
 
@@ -110,7 +111,20 @@ def test_interactive_chat_commands():
     (["-n", "0"], ["--max-new-tokens must be at least 1"]),
     (["-n", "-1"], ["--max-new-tokens must be at least 1"]),
     (["--ctx", "0"], ["--ctx 0 is too small", "at least 16"]),
-    (["--ctx", "-5"], ["--ctx -5 is too small"]),
+    (["--ctx", "-5"], ["--ctx '-5' is not a length"]),
+    (["--ctx", "infk"], ["--ctx 'infk' is not a length"]),
+    (["--temp", "nan"], ["--temperature must be a finite number"]),
+    (["--temp", "inf"], ["--temperature must be a finite number"]),
+    (["--repeat-penalty", "nan"], ["--repeat-penalty must be a finite number"]),
+    (["--seed", "99999999999999999999"], ["--seed must be in 0 .. 2^63 - 1"]),
+    (["-t", "99999999999"], ["--threads 99999999999 is more than 4x", "use at most"]),
+    (["--stop", ""], ["--stop is empty"]),
+    (["--random-weights", "--weights", "/tmp"], ["--random-weights and --weights", "use one of them"]),
+    (["--method", "streamingllm", "--budget", "0"], ["--budget 0 must exceed --sink 64", "raise --budget"]),
+    (["--method", "snapkv", "--budget", "-1"], ["observation window (32 tokens)", "raise --budget"]),
+    (["--method", "quest", "--budget", "1"], ["at least one quest page (16 tokens)", "raise --budget"]),
+    (["--method", "tailorkv", "--budget", "100"], ["--budget 100 is smaller", "raise --budget"]),
+    (["--method", "tailorkv", "--predict-ahead", "100"], ["--predict-ahead 100", "use at most 29"]),
     (["--ctx", "100000000"], ["beyond what smollm2-135m supports", "lower --ctx"]),
     (["--method", "tailorkv", "--channels", "100000"], ["--channels 100000", "at most 64"]),
     (["--method", "tailorkv", "--quant-layers", "40"], ["--quant-layers 40 is out of range", "0..29"]),
@@ -192,3 +206,60 @@ def test_a_missing_file_raised_inside_a_command_names_the_fix(tmp_path):
 
     with pytest.raises(UserError, match="gone.bin: no such file: check the path"):
         command()
+
+
+def test_a_model_given_by_path_takes_its_layer_profile_from_a_flag(tmp_path):
+    """A .gguf (or HF folder) has no shipped profile: tailorkv says how to get one before loading, and runs with
+    --layer-profile (here the shipped SmolLM2 profile, for the same weights)."""
+    import os
+    from tailorkv.models.loader import CONFIG_DIR
+    gguf = smollm2_gguf_or_skip()
+    res = call("run", "-m", gguf, "--method", "tailorkv", "-p", "hi", "--device", "cpu")
+    assert_clean_error(res, "ships none", "tailorkv profile --model", "--layer-profile", "--quant-layers")
+    assert "loading" not in res.output
+    shipped = os.path.join(CONFIG_DIR, "profiles", "smollm2-135m.json")
+    res = call("run", "-m", gguf, "--method", "tailorkv", "--layer-profile", shipped, "-n", "16", "--device", "cpu",
+               "-p", "What is the capital of France?")
+    assert res.exit_code == 0, res.output
+    assert "Paris" in res.stdout
+
+
+def test_bad_layer_profiles_are_one_line_before_loading(tmp_path):
+    import os
+    from tailorkv.models.loader import CONFIG_DIR
+    with open(os.path.join(CONFIG_DIR, "profiles", "smollm2-135m.json")) as f:
+        good = json.load(f)
+    (tmp_path / "not.json").write_text("{quant")
+    (tmp_path / "noquant.json").write_text(json.dumps({"P": [0.1]}))
+    (tmp_path / "other.json").write_text(json.dumps(dict(good, n_layers=32)))
+    cases = [(tmp_path / "missing.json", "no such file"), (tmp_path / "not.json", "is not a layer profile"),
+             (tmp_path / "noquant.json", "is not a layer profile"), (tmp_path / "other.json", "model of 32 layers")]
+    for path, needle in cases:
+        res = call("run", "--method", "tailorkv", "--layer-profile", str(path), "-p", "hi", "--device", "cpu")
+        assert_clean_error(res, f"--layer-profile {path}", needle)
+        assert "loading" not in res.output
+    assert_clean_error(call("run", "--layer-profile", str(tmp_path / "other.json"), "-p", "hi"),
+                       "--layer-profile has no effect under full")
+
+
+def test_one_shot_says_when_the_context_cut_the_answer():
+    res = call("run", "-p", "Write a long story about a dragon.", "--ctx", "48", "-n", "200", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert "warning: the answer stopped after" in res.stderr and "--ctx 48 tokens) is full: raise --ctx" in res.stderr
+    assert "warning" not in res.stdout  # stdout holds only the answer
+
+
+def test_the_stop_string_is_not_printed():
+    res = call("run", "-p", "Count from 1 to 10, separated by commas.", "--stop", "5", "-n", "40", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert "4" in res.stdout and "5" not in res.stdout
+
+
+def test_host_out_of_memory_is_one_line(monkeypatch):
+    def no_memory(*a, **kw):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 16060522496 bytes. Error code 12 (Cannot allocate memory)")
+
+    import tailorkv.models.loader as loader
+    monkeypatch.setattr(loader, "load_model", no_memory)
+    assert_clean_error(call("run", "-p", "hi", "--device", "cpu"), "ran out of memory (RAM)", "--dtype bf16")

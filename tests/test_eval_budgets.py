@@ -122,6 +122,6 @@ def test_protocols():
     with pytest.raises(ValueError, match="--protocol"):
         run("quest", "fair")
     plan = _plan(protocol="paper", budgets=[three])
-    assert plan.settings("quest", 512, "3%").dense_layers == [0, 1]
+    assert plan.settings("quest", 1024, "3%").dense_layers == [0, 1]
     assert plan.to_dict()["protocol"] == "paper" and "layers 0 and 1" in plan.to_dict()["protocol_convention"]
     assert P.EvalPlan.from_dict(plan.to_dict()).protocol == "paper"

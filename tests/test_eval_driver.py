@@ -319,6 +319,7 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
     for key in ("summary", "settings", "eval", "suites_hash", "complete"):
         assert merged[key] == ref[key], key
     assert len(merged["merged_from"]) == 3 and merged["shard"] is None
+    assert "--shard" not in merged["command"] and merged["args"]["shard"] is None  # the whole run's command
     check_png(os.path.join(out, "eval_budgets.png"))
     # a shard cut short (as a time limit leaves it): an error naming --partial, which merges what finished
     path = os.path.join(out, "eval.shard-2-of-3.json")
@@ -340,6 +341,15 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
     os.remove(os.path.join(out, "eval.shard-1-of-3.json"))
     r = invoke("eval-merge", out)
     assert r.exit_code == 1 and "shards [1] of 3 are missing" in r.output and "Traceback" not in r.output
+    r = invoke("eval-merge", out, "--partial")  # a shard killed before its first save left no file
+    assert r.exit_code == 0 and "shards [1] of 3 wrote no file" in r.output, r.output
+    assert load(os.path.join(out, "eval.json"))["complete"] is False
+    # a file that is not a shard's results: one line naming it
+    for text in ("[]", '{"shard": {"count": 3, "index": 0}}', "{not json"):
+        with open(os.path.join(out, "eval.shard-0-of-3.json"), "w") as f:
+            f.write(text)
+        assert_one_line_error(invoke("eval-merge", out, "--partial"), "eval.shard-0-of-3.json is not an eval "
+                              "results file", "rerun that shard")
 
 
 def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
@@ -382,7 +392,7 @@ def test_ctrl_c_saves_the_finished_items(tiny_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(D, "run_item", run_item)
     r = invoke(*args)
-    assert r.exit_code == 1 and "interrupted: 2 items saved" in r.output
+    assert r.exit_code == 130 and "interrupted: 2 items saved" in r.output
     saved = load(os.path.join(out, "eval.json"))
     assert saved["complete"] is False and [x["item"] for x in saved["records"]] == [0] * len(RUNS) + [1] * len(RUNS)
     monkeypatch.setattr(D, "run_item", real)
@@ -392,6 +402,27 @@ def test_ctrl_c_saves_the_finished_items(tiny_dir, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert "2 items done" in r.output
     assert load(os.path.join(out, "eval.json"))["complete"] is True
+
+
+def test_an_earlier_run_is_kept_unless_overwrite_or_resume(tiny_dir, tmp_path):
+    out = tmp_path / "again"
+    out.mkdir()
+    (out / "eval.json").write_text('{"earlier": true}')
+    args = ["eval", "--model", tiny_dir, *COMMON, "--out", str(out)]
+    r = invoke(*args)
+    assert_one_line_error(r, "already holds an earlier run's results: pass --overwrite", "--resume finishes")
+    assert " parameters, " not in r.output
+    assert_one_line_error(invoke(*args, "--resume", "--overwrite"), "use one of them")
+    # --resume on a file that is not an eval's results: refused before the model loads, the file kept
+    r = invoke(*args, "--resume")
+    assert_one_line_error(r, "is not an eval results file (no eval, records", "--overwrite instead of --resume")
+    assert " parameters, " not in r.output and (out / "eval.json").read_text() == '{"earlier": true}'
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert_one_line_error(invoke("eval", "--model", tiny_dir, *COMMON, "--out", str(a_file / "sub")),
+                          "a_file is a file, not a folder")
+    assert_one_line_error(invoke("eval-merge", str(tmp_path), "--out", str(a_file / "sub")),
+                          "a_file is a file, not a folder")
 
 
 def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):

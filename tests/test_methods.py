@@ -91,3 +91,23 @@ def test_layers_with_a_poor_prediction_select_from_their_own_query(tmp_path, mon
     assert [c.wants_query_prediction for c in cache.layers[1:]] == [True, True]
     with pytest.raises(ValueError, match="own-query-below"):
         MethodSettings("tailorkv", own_query_below=1.5).validate()
+
+
+def test_a_given_layer_profile_decides_the_layers(tmp_path):
+    """--layer-profile: its quant_layers, and its q-hat cosines pick the own-query layers; the family's shipped
+    profile is not read; --quant-layers still wins."""
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"n_layers": 4, "quant_layers": [1], "prediction_cos": [None, 0.9, 0.2, 0.8]}))
+    fam = {"name": "smollm2-135m", "profile": "profiles/smollm2-135m.json"}
+    s = methods.with_profile(MethodSettings("tailorkv", layer_profile=str(path)), fam, 4)
+    assert s.quant_layers == [1] and s.own_query_layers == [2]
+    assert methods.layer_policies(MethodSettings("tailorkv", layer_profile=str(path)), 4, fam) == \
+        ["sparse", "quant", "sparse", "sparse"]
+    s = methods.with_profile(MethodSettings("tailorkv", layer_profile=str(path), quant_layers=[0]), fam, 4)
+    assert s.quant_layers == [0] and s.own_query_layers == [2]
+    assert methods.with_profile(MethodSettings("quest", layer_profile=str(path)), fam, 4).quant_layers is None
+
+
+def test_no_profile_at_all_names_both_fixes():
+    with pytest.raises(ValueError, match="ships none.*--layer-profile prof.json, or pass --quant-layers"):
+        methods.with_profile(MethodSettings("tailorkv"), {}, 4)

@@ -211,6 +211,17 @@ def test_cli_writes_json_and_png(cli_main, tiny_dir, tmp_path):
     r2 = CliRunner().invoke(cli_main, cmd[1:])
     assert r2.exit_code == 0, r2.output
     assert json.loads(out.read_text())["P"] == prof["P"]
+    # how to use it: a model given by path has no shipped profile, so the command line is printed
+    assert f"use it: tailorkv run --model {tiny_dir} --method tailorkv --layer-profile {out}" in " ".join(
+        r2.output.split())
+    # a profile already there is kept unless --overwrite says otherwise, and that is known before calibrating
+    before = out.read_bytes()
+    r3 = CliRunner().invoke(cli_main, cmd[1:])
+    assert "already holds an earlier run's results: pass --overwrite" in _one_error_line(r3)
+    assert "calibrating" not in r3.output and out.read_bytes() == before
+    assert CliRunner().invoke(cli_main, cmd[1:] + ["--overwrite"]).exit_code == 0
+    r4 = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--out", ""])
+    assert "--out is empty: give a file name" in _one_error_line(r4)
 
 
 def _one_error_line(r):
@@ -320,13 +331,20 @@ def test_shipped_smollm2_profile_reproduces():
 
 
 def test_random_weights_never_overwrite_a_real_profile():
-    from types import SimpleNamespace
     from tailorkv.engine.profiling.command import default_out
-    fam = {"profile": "profiles/smollm2-135m.json"}
-    real = default_out(SimpleNamespace(family=fam, random=False, name="smollm2-135m"))
-    rand = default_out(SimpleNamespace(family=fam, random=True, name="smollm2-135m"))
+    fam = {"name": "smollm2-135m", "profile": "profiles/smollm2-135m.json"}
+    real = default_out("smollm2-135m", fam, False)
+    rand = default_out("smollm2-135m", fam, True)
     assert real.endswith(os.path.join("configs", "profiles", "smollm2-135m.json"))
-    assert rand.endswith("smollm2-135m-random.json")
+    assert rand.endswith(os.path.join("configs", "profiles", "smollm2-135m-random.json"))
+
+
+def test_a_model_given_by_path_profiles_into_the_current_folder():
+    """configs/ holds the named models' profiles; a file or folder model's goes to ./NAME.profile.json, which
+    runs take with --layer-profile (nothing would look for it in configs/)."""
+    from tailorkv.engine.profiling.command import default_out
+    assert default_out("/m/SmolLM2-135M-Instruct.Q4_1.gguf", {}, False) == "SmolLM2-135M-Instruct.Q4_1.profile.json"
+    assert default_out("/m/my model/", {}, True) == "my_model-random.profile.json"
 
 
 def test_prediction_cos_is_the_cosine_of_the_predicted_and_the_true_query(tiny):

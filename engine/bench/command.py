@@ -19,6 +19,11 @@ def _gib(n) -> str:
     return "-" if n is None else fmt_bytes(n)
 
 
+def _gbps(x: float) -> str:
+    """Three digits at most, two significant below 10 (a CPU reads weights at a few GB/s)."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
 def columns(on_gpu: bool) -> tuple[str, ...]:
     """On a CPU there is no device peak, no HBM floor and no PCIe: those columns are left out."""
     return GPU_COLUMNS if on_gpu else CPU_COLUMNS
@@ -34,8 +39,8 @@ def values(cell: dict, on_gpu: bool) -> dict[str, str]:
         return row
     d = cell["decode_ms"]
     row.update({"prefill s": f"{cell['prefill_s']:.2f}", "ms/tok": f"{d['median']:.2f}", "p90": f"{d['p90']:.2f}",
-                "tok/s": f"{cell['tok_s']:.1f}", "GB/s": f"{cell['achieved_gbps']:.0f}",
-                "HBM GB/s": f"{cell['achieved_gbps']:.0f}"})
+                "tok/s": f"{cell['tok_s']:.1f}", "GB/s": _gbps(cell["achieved_gbps"]),
+                "HBM GB/s": _gbps(cell["achieved_gbps"])})
     if on_gpu:
         f = cell["floor"]
         row.update({"peak dev": _gib(cell["peak_device_bytes"]), "KV dev": _gib(cell["kv_device_bytes"]),
@@ -49,8 +54,8 @@ def values(cell: dict, on_gpu: bool) -> dict[str, str]:
 def _table(title: str, on_gpu: bool):
     from rich.table import Table
     t = Table(title=title, title_justify="left", header_style="bold")
-    for name in columns(on_gpu):
-        t.add_column(name, justify="left" if name == "method" else "right")
+    for name in columns(on_gpu):  # a narrow terminal folds a value, never cuts it to "..."
+        t.add_column(name, justify="left" if name == "method" else "right", overflow="fold")
     return t
 
 
@@ -164,24 +169,26 @@ def register(main: click.Group) -> click.Command:
     @click.option("--pcie-gbps", type=float, default=55.0, show_default=True, help="PCIe bandwidth for the floor")
     @click.option("--out", type=click.Path(file_okay=False), default=None,
                   help="results folder (default bench/results/<date>-<model>/)")
+    @click.option("--overwrite", is_flag=True, help="replace the results an earlier run left in --out")
     @click.option("--output", "-o", "fmt", type=click.Choice(["json", "md", "csv"]), default=None,
                   help="also print the results to stdout in this format (the live table goes to stderr)")
-    @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random prompts")
+    @click.option("--seed", type=click.IntRange(0, 2 ** 63 - 1), default=0, show_default=True,
+                  help="seed of the random prompts")
     @click.option("--no-cuda-graph", is_flag=True, help="decode eagerly even where a CUDA graph is possible")
-    @click.option("--profile", "profile_steps", type=int, default=0, show_default=True,
+    @click.option("--profile", "profile_steps", type=click.IntRange(min=0), default=0, show_default=True,
                   help="GPU: a stage breakdown (kernels, GPU busy, time per stage and stream) of N decode steps")
     @click.option("--profile-prefill", is_flag=True,
                   help="GPU: a stage breakdown of each cell's prefill, with the TFLOP/s of attention and GEMMs")
     @ui.friendly
     def bench(model, weights, random_weights, device, dtype, threads, ctxs, methods, decode_steps, warmup, batch,
-              gpu_mem_limit, hbm_gbps, pcie_gbps, out, fmt, seed, no_cuda_graph, profile_steps, profile_prefill,
-              **knobs):
+              gpu_mem_limit, hbm_gbps, pcie_gbps, out, overwrite, fmt, seed, no_cuda_graph, profile_steps,
+              profile_prefill, **knobs):
         """Latency and memory sweep over methods x context lengths (bench.json + PNG plots)."""
         ui.set_threads(threads)
         run_bench(click.get_current_context().params, model, weights, random_weights, device, dtype, ctxs, methods,
                   decode_steps, warmup, batch, gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs,
                   cuda_graph=not no_cuda_graph, fmt=fmt, profile_steps=profile_steps,
-                  profile_prefill=profile_prefill)
+                  profile_prefill=profile_prefill, overwrite=overwrite)
 
     # --methods replaces method_options' single --method; its other knobs (--budget, --bits, ...) stay
     bench.params = [p for p in bench.params if p.name != "method"]
@@ -190,7 +197,7 @@ def register(main: click.Group) -> click.Command:
 
 def run_bench(params, model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
               gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs, cuda_graph=True, fmt=None, profile_steps=0,
-              profile_prefill=False):
+              profile_prefill=False, overwrite=False):
     import torch
     from rich.console import Console, Group
     from rich.live import Live
@@ -215,7 +222,7 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     cfg, family = options.peek(model, weights, random_weights)
     dt = ui.pick_dtype(dtype, dev, cfg)
     settings = {m: options.model_defaults(s, family) for m, s in settings.items()}
-    options.check_for_model(settings.values(), cfg, click.get_current_context())
+    options.check_for_model(settings.values(), cfg, click.get_current_context(), family)
     ctx_list = ctx_list or default_ctxs(cfg.max_context)
     if limit and dev.type == "cuda" and "tailorkv" in settings:  # the sketch's bits at the sweep's largest context
         settings["tailorkv"] = options.plan_memory(settings["tailorkv"], cfg, family, max(ctx_list), limit,
@@ -225,11 +232,16 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
                        hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps,
                        profile_prefill=profile_prefill)
     plan.validate(cfg.max_context)
+    if out is not None:
+        R.refuse_existing(os.path.join(R.check_out(out), "bench.json"), overwrite)
     limit = ui.cap_gpu_memory(gpu_mem_limit, dev)
+    if dev.type != "cuda" and (profile_steps or profile_prefill):
+        ui.err.print("[yellow]--profile and --profile-prefill ignored: their stage breakdowns need a GPU[/]")
     hbm_measured = B.measure_hbm_gbps(dev)
     torch.manual_seed(seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
 
+    given_out = out is not None
     out = out or R.numbered_dir(loaded.name if not os.path.exists(model) else model, "bench/results", "bench.json")
     json_path = os.path.join(out, "bench.json")
     env = R.environment(dev)
@@ -253,7 +265,9 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
         ui.err.print(f"[yellow]{escape(n)}[/]")
     bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn(), console=con)
-    task = bar.add_task("bench", total=len(plan.ctxs) * len(plan.methods))
+    total = len(plan.ctxs) * len(plan.methods)
+    task = bar.add_task("bench", total=total)
+    interrupted = False
     # refreshed by hand between phases: a refresh thread would take the GIL inside the timed decode loop
     with Live(Group(table, bar), console=con, auto_refresh=False) as live:
         def on_phase(method, ctx, what):
@@ -267,12 +281,22 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
             save()
             live.refresh()
             if not con.is_terminal:  # a log shows the live table only at the end: a line per cell meanwhile
-                ui.err.print(cell_line(cell, len(cells), len(plan.ctxs) * len(plan.methods)), markup=False)
+                ui.err.print(cell_line(cell, len(cells), total), markup=False)
 
-        B.run_sweep(loaded, plan, on_cell=on_cell, on_phase=on_phase)
+        try:
+            B.run_sweep(loaded, plan, on_cell=on_cell, on_phase=on_phase)
+        except KeyboardInterrupt:
+            interrupted = True
         bar.update(task, visible=False)
         live.refresh()
     con.print()
+    if interrupted:
+        if cells:  # the plots of the cells saved, not an earlier run's beside them
+            plot_all(B.results(loaded, plan, cells, env, command, args, hbm_measured, limit), out)
+        kept = (f"the {len(cells)} finished cells of {total} are in {json_path} (\"complete\": false)" if cells
+                else "no cell had finished, nothing was written")
+        again = " with --overwrite" if cells and given_out else ""
+        raise ui.Interrupted(f"{kept}; run the command again{again} to measure every cell")
     if not cells:
         return
     res = B.results(loaded, plan, cells, env, command, args, hbm_measured, limit)

@@ -410,5 +410,6 @@ def results(loaded, plan: BenchPlan, cells: list[dict], env: dict, command: str,
                   "hbm_gbps": plan.hbm_gbps, "hbm_gbps_measured": hbm_measured, "pcie_gbps": plan.pcie_gbps,
                   "gpu_mem_limit_bytes": gpu_mem_limit},
         "method_settings": {m: plan.settings_for(m).to_dict() for m in plan.methods},
+        "complete": len(cells) == len(plan.ctxs) * len(plan.methods),  # false: interrupted, these cells saved
         "cells": cells,
     }

@@ -84,7 +84,8 @@ def register(main: click.Group) -> list[click.Command]:
                   help="whole sequence lengths (template + prompt + answer), e.g. 2k,4k,8k")
     @click.option("--samples", type=int, default=5, show_default=True, help="samples per task and length (0: none)")
     @click.option("--tasks", default=None, help=f"comma-separated (default all): {', '.join(TASKS)}")
-    @click.option("--seed", type=int, default=0, show_default=True, help="seed of the generated samples")
+    @click.option("--seed", type=click.IntRange(0, 2 ** 63 - 1), default=0, show_default=True,
+                  help="seed of the generated samples")
     @click.option("--budgets", default=None,
                   help="budget groups: shares of the length and/or tokens, e.g. 1%,3%,6%,12%,25%,1024 (192 and 1024 "
                        "bring the paper's sink/top-K/recent split and r)")
@@ -107,9 +108,10 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--shard", default=None, help="i/n: run only items with index % n == i (then eval-merge)")
     @click.option("--resume", is_flag=True, help="keep the finished items of an interrupted run in --out and do "
                                                   "the rest (same command otherwise)")
+    @click.option("--overwrite", is_flag=True, help="replace the results an earlier run left in --out")
     @ui.friendly
     def eval_cmd(**kw):
-        """Long-context accuracy of every method against the full cache (eval.json + tables + PNG)."""
+        """Long-context accuracy of every method against the full cache (eval.json + PNG plots; prints the tables)."""
         ui.set_threads(kw.pop("threads"))
         knobs = {k: kw.pop(k) for k in list(kw) if k not in EVAL_OPTIONS}
         run_eval(click.get_current_context().params, knobs, **kw)
@@ -124,7 +126,7 @@ def register(main: click.Group) -> list[click.Command]:
                   "result says complete: false; each table cell counts its samples)")
     @ui.friendly
     def eval_merge(folder, out, partial):
-        """Merge the eval.shard-*-of-*.json files of FOLDER into eval.json + tables + PNG."""
+        """Merge the eval.shard-*-of-*.json files of FOLDER into eval.json + PNG plots (and print the tables)."""
         run_merge(folder, out, partial)
 
     return [eval_cmd, eval_merge]
@@ -152,11 +154,11 @@ def make_plan(knobs: dict, methods, lengths, samples, tasks, seed, budgets, budg
 
 EVAL_OPTIONS = ("model", "weights", "random_weights", "device", "dtype", "methods", "lengths", "samples", "tasks",
                 "seed", "budgets", "budget_frac", "split", "protocol", "max_new_tokens", "question",
-                "fidelity_tokens", "out", "shard", "resume")
+                "fidelity_tokens", "out", "shard", "resume", "overwrite")
 
 
 def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, device, dtype, out, shard, resume,
-             **options):
+             overwrite=False, **options):
     """`options`: make_plan's keyword arguments; `knobs`: method_options' (the settings every method shares)."""
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
@@ -176,6 +178,18 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
         raise ui.UserError("--shard needs --out DIR: every shard of a run writes into the same folder")
     if resume and not out:
         raise ui.UserError("--resume needs --out DIR: the folder of the run to finish")
+    if resume and overwrite:
+        raise ui.UserError("--resume keeps the earlier run's items, --overwrite replaces them: use one of them")
+    prev = None  # the results file --resume finishes
+    if out is not None:
+        done_path = os.path.join(R.check_out(out), "eval.json" if shard_t is None else P.shard_filename(*shard_t))
+        if not resume:
+            R.refuse_existing(done_path, overwrite, also=" (--resume finishes an interrupted run)")
+        elif os.path.exists(done_path):
+            try:
+                prev = M.read_results(done_path)
+            except ValueError as e:
+                raise ui.UserError(f"{e}: start over with --overwrite instead of --resume") from None
     dev = ui.pick_device(device)
     cfg, family = options_mod.peek(model, weights, random_weights)
     plan.base = options_mod.model_defaults(plan.base, family)  # every method's settings derive from it
@@ -184,7 +198,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
         raise ui.UserError(f"--lengths {too_long[0]} is beyond what {model} supports "
                             f"({cfg.max_context} tokens): lower --lengths")
     options_mod.check_for_model([plan.settings(m, n, b.label) for m in plan.methods for n in plan.lengths
-                                 for b in plan.budgets], cfg, click_ctx)
+                                 for b in plan.budgets], cfg, click_ctx, family)
     torch.manual_seed(plan.seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev, cfg))
     warnings = D.check_methods(loaded, plan)
@@ -204,11 +218,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                   plan=plan, shard=shard_t, suites_hash=prompts.suite_hash(suites, plan.question),
                   layer_policies=policies, warnings=warnings)
     records: list[dict] = []
-    if resume and os.path.exists(json_path):
-        try:
-            prev = M.read_json(json_path)
-        except ValueError as e:
-            raise ui.UserError(f"{json_path} is not valid JSON ({e}): rerun without --resume") from None
+    if prev is not None:
         records = M.resumable_records(prev, S.results(records=[], **common), json_path, plan)
         done = {r["item"] for r in records}
         items = [it for it in items if it["index"] not in done]
@@ -226,10 +236,12 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
     try:
         run_items(items, loaded, plan, suites, texts, records, bar, save, lines=not ui.err.is_terminal)
     except KeyboardInterrupt:
+        if not records:
+            raise ui.Interrupted("no item had finished, nothing was written") from None
         save(force=True)
         n_items = len({r["item"] for r in records})
-        again = same_command(click_ctx, out=out, resume=True)
-        raise ui.UserError(f"interrupted: {n_items} items saved in {json_path}; to finish, run: {again}") from None
+        again = same_command(click_ctx, out=out, resume=True, overwrite=False)
+        raise ui.Interrupted(f"{n_items} items saved in {json_path}; to finish, run: {again}") from None
     res = S.results(records=records, **common)
     if shard_t is None:
         paths = write_outputs(res, out)
@@ -286,8 +298,10 @@ def run_merge(folder: str, out: str | None, partial: bool = False) -> None:
     from tailorkv.engine.evaluation import merge as M
     from tailorkv.engine.evaluation.report import write_outputs
 
+    from tailorkv.engine.results import check_out
     if not os.path.isdir(folder):
         raise ui.UserError(f"{folder}: no such folder")
+    check_out(out if out is not None else folder)
     files = sorted(glob.glob(os.path.join(folder, "eval.shard-*-of-*.json")))
     if not files:
         raise ui.UserError(f"{folder} holds no eval.shard-*-of-*.json files: run `tailorkv eval --shard i/n "
@@ -295,9 +309,13 @@ def run_merge(folder: str, out: str | None, partial: bool = False) -> None:
     shards = []
     for f in files:
         try:
-            shards.append((os.path.basename(f), M.read_json(f)))
+            res = M.read_results(f)
+            if not isinstance(res.get("shard"), dict):
+                raise ValueError(f"{f} is not a shard file (no \"shard\" entry)")
         except ValueError as e:
-            raise ui.UserError(f"{f} is not valid JSON ({e}): rerun that shard") from None
+            raise ui.UserError(f"{e}: rerun that shard (tailorkv eval --shard i/n --out {folder} --overwrite)") \
+                from None
+        shards.append((os.path.basename(f), res))
     res, warnings = M.merge_shards(shards, partial)
     for w in warnings:
         ui.err.print(f"[yellow]{escape(w)}[/]")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 from tailorkv.engine.evaluation.plan import EvalPlan
 from tailorkv.engine.evaluation.summary import results
@@ -32,8 +33,11 @@ def merge_shards(shards: list[tuple[str, dict]], partial: bool = False) -> tuple
     if len(set(got)) != len(got):
         raise ValueError(f"shard numbers repeat: {got}")
     missing = sorted(set(range(count)) - set(got))
+    if missing and not partial:
+        raise ValueError(f"shards {missing} of {count} are missing: run them (--shard i/{count}), or merge the "
+                         f"others with --partial")
     if missing:
-        raise ValueError(f"shards {missing} of {count} are missing: run them (--shard i/{count}) first")
+        warnings.append(f"partial merge: shards {missing} of {count} wrote no file")
     plan = EvalPlan.from_dict(first["eval"])
     records, seen = [], {}
     for name, res in shards:
@@ -55,13 +59,22 @@ def merge_shards(shards: list[tuple[str, dict]], partial: bool = False) -> tuple
     commits = {res["env"].get("git_commit") for _, res in shards}
     if len(commits) > 1:
         warnings.append(f"the shards ran at different commits: {sorted(map(str, commits))}")
-    merged = results(command=first["command"], args=first["args"], env=first["env"], model=first["model"],
+    merged = results(command=without_shard(first["command"]), args={**first["args"], "shard": None},
+                     env=first["env"], model=first["model"],
                      plan=plan, shard=None, records=records, suites_hash=first.get("suites_hash"),
                      layer_policies=first.get("layer_policies"),
                      warnings=(first.get("warnings") or []) + [w for w in warnings if w.startswith("partial")],
                      merged_from=[{"file": name, "command": res["command"], "date": res["env"].get("date"),
                                    "git_commit": res["env"].get("git_commit")} for name, res in shards])
     return merged, warnings
+
+
+def without_shard(command: str) -> str:
+    """A shard's command line less its --shard: the command of the whole run."""
+    words = shlex.split(command)
+    keep = [w for i, w in enumerate(words) if not (w == "--shard" or w.startswith("--shard=")
+                                                  or (i and words[i - 1] == "--shard"))]
+    return shlex.join(keep)
 
 
 def resumable_records(prev: dict, fresh: dict, name: str, plan: EvalPlan) -> list[dict]:
@@ -85,7 +98,18 @@ def resumable_records(prev: dict, fresh: dict, name: str, plan: EvalPlan) -> lis
             and all(r["status"] == "ok" for r in rs) for r in rs]
 
 
-def read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+RESULT_KEYS = ("eval", "records", "fidelity", "env", "command", "args", "model")
+
+
+def read_results(path: str) -> dict:
+    """An eval.json or shard file; a ValueError saying why it is not one (unreadable, not JSON, fields missing)."""
+    try:
+        with open(path, "rb") as f:
+            res = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not an eval results file (not JSON: {e})") from None
+    missing = [k for k in RESULT_KEYS if k not in res] if isinstance(res, dict) else list(RESULT_KEYS)
+    if missing:
+        raise ValueError(f"{path} is not an eval results file (no {', '.join(missing)})")
+    return res
 

@@ -145,7 +145,11 @@ class EvalPlan:
                 raise ValueError(f"--fidelity-tokens {self.fidelity_tokens} must be smaller than the length {n}")
         for n in self.lengths:
             for b, m in self.runs():
-                self.settings(m, n, b)
+                try:
+                    self.settings(m, n, b)
+                except ValueError as e:
+                    raise ValueError(f"{m} at length {length_label(n)}{'' if b is None else f' budget {b}'}: {e}") \
+                        from None
 
     def max_new(self, task: str) -> int:
         return self.max_new_tokens or MAX_NEW_TOKENS.get(task, DEFAULT_MAX_NEW)

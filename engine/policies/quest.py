@@ -30,8 +30,6 @@ class QuestCache(LayerCache):
     def __init__(self, spec: LayerSpec, settings: MethodSettings):
         super().__init__(spec)
         self.page, self.budget = settings.page, settings.budget
-        if self.page < 1 or self.budget < self.page:
-            raise ValueError(f"quest: --budget ({self.budget}) must be at least one page ({self.page} tokens)")
         B, H, D, dev, dt = spec.batch, spec.n_kv_heads, spec.head_dim, spec.device, spec.dtype
         self.k = torch.zeros(B, H, spec.max_len, D, dtype=dt, device=dev)
         self.v = torch.zeros_like(self.k)

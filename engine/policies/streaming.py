@@ -32,8 +32,6 @@ class StreamingCache(LayerCache):
         super().__init__(spec)
         self.sink, self.budget = settings.sink, settings.budget
         self.cap = self.budget - self.sink  # recent tokens kept
-        if self.sink < 0 or self.cap < 1:
-            raise ValueError(f"streamingllm: --budget ({self.budget}) must exceed --sink ({self.sink})")
         shape = (spec.batch, spec.n_kv_heads, self.budget, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros_like(self.k)

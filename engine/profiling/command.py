@@ -37,12 +37,14 @@ def register(main) -> None:
     @click.option("--top", type=float, default=DEFAULT_TOP, show_default=True,
                   help="fraction of the keys kept per query row")
     @click.option("--out", default=None,
-                  help="profile JSON  [default: configs/profiles/<model>.json]; the PNG goes next to it")
+                  help="profile JSON, the PNG goes next to it  [default: a named model's configs/profiles/<model>.json, "
+                       "which its runs load; a model given by path: ./<name>.profile.json, for --layer-profile]")
+    @click.option("--overwrite", is_flag=True, help="replace a profile already at that path")
     @ui.friendly
-    def profile(model, weights, random_weights, device, dtype, threads, data, tau, length, n_q, top, out):
+    def profile(model, weights, random_weights, device, dtype, threads, data, tau, length, n_q, top, out, overwrite):
         """Calibrate the layer types (TailorKV offline identification) and write the model's profile."""
         ui.set_threads(threads)
-        run_profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out)
+        run_profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out, overwrite)
 
 
 def read_data(data: str | None) -> tuple[str, bytes, str]:
@@ -58,15 +60,21 @@ def read_data(data: str | None) -> tuple[str, bytes, str]:
     return text, raw, "stdin" if data == "-" else data
 
 
-def default_out(loaded) -> str:
-    """configs/<the family's "profile" entry>, else configs/profiles/<model name>.json. A random-weights
-    profile is meaningless: it goes to <name>-random.json, which no run loads, never over a real profile."""
+def default_out(model: str, family: dict, random: bool) -> str:
+    """A named model's profile in configs/ (its "profile" entry, else profiles/<name>.json), which its tailorkv
+    runs load; a random-weights profile is meaningless, so it goes to profiles/<name>-random.json, which no run
+    loads, never over a real one. A model given by path has no place there: ./<name>.profile.json, which runs
+    take with --layer-profile."""
     from tailorkv.models.loader import CONFIG_DIR
-    rel = (loaded.family or {}).get("profile")
-    if rel and not loaded.random:
+    rel = family.get("profile")
+    if rel and not random:
         return os.path.join(CONFIG_DIR, rel)
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name) or "model"
-    return os.path.join(CONFIG_DIR, "profiles", f"{name}{'-random' if loaded.random else ''}.json")
+    suffix = "-random" if random else ""
+    if family.get("name"):
+        return os.path.join(CONFIG_DIR, "profiles", f"{family['name']}{suffix}.json")
+    stem = os.path.splitext(os.path.basename(os.path.normpath(model)))[0]
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in stem) or "model"
+    return f"{name}{suffix}.profile.json"
 
 
 def png_path(json_path: str) -> str:
@@ -90,7 +98,8 @@ def reproduce_command(model, weights, random_weights, device: str, dtype: str, d
     return shlex.join(args)
 
 
-def run_profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out) -> dict:
+def run_profile(model, weights, random_weights, device, dtype, data, tau, length, n_q, top, out,
+                overwrite: bool = False) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -102,7 +111,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
 
     from tailorkv import __version__
     from tailorkv.engine import options, ui
-    from tailorkv.engine.results import git_commit, write_files_atomically
+    from tailorkv.engine.results import check_out, git_commit, refuse_existing, write_files_atomically
 
     err = ui.err
     validate(n_q, top, tau)
@@ -113,6 +122,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
             raise ValueError(f"--out {out} is a folder: give a file name like {os.path.join(out, 'model.json')}")
         if out.lower().endswith(".png"):
             raise ValueError("--out names the JSON profile (the PNG goes next to it): use a .json name")
+        check_out(out, kind="file")
     text, raw, source = read_data(data)
 
     dev = ui.pick_device(device)
@@ -123,6 +133,8 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     if length is not None and length > limit_ctx:
         raise ValueError(f"--length {length} is beyond what {model} supports ({limit_ctx} tokens): "
                          f"lower --length")
+    out_path = out or default_out(model, family, random_weights)
+    refuse_existing(out_path, overwrite)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
     from tailorkv.models.loader import require_tokenizer
     tok = require_tokenizer(loaded)
@@ -148,7 +160,6 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
                             progress=lambda i, n: bar.update(task, completed=i, total=n))
     secs = time.perf_counter() - t0
 
-    out_path = out or default_out(loaded)
     if loaded.random:
         err.print("[yellow]random weights: this profile says nothing about the real model; runs do not load it[/]")
     dtype_name = DTYPE_NAMES.get(str(dt), str(dt))
@@ -165,6 +176,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
         "prediction_cos": [None if c is None else round(c, 6) for c in res["prediction_cos"]],
         "tau": tau,
         "n_q": n_q,
+        "rows": res["rows"],
         "top": top,
         "top_k": res["top_k"],
         "quant_layers": res["quant_layers"],
@@ -215,4 +227,9 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
         con.print(f"tailorkv keeps their KV at {bits} bits unless --bits is given ({bits_source})")
     con.print(f"wrote {out_path}")
     con.print(f"wrote {img_path}")
+    if family and out_path == default_out(model, family, False):
+        con.print(f"tailorkv runs of {loaded.name} load it (--layer-profile FILE picks another)")
+    elif not loaded.random:
+        con.print(f"use it: tailorkv run --model {shlex.quote(model)} --method tailorkv --layer-profile "
+                  f"{shlex.quote(out_path)}")
     return prof

@@ -37,9 +37,11 @@ def plot_profile(profile: dict, path: str) -> None:
                        Patch(color=SPARSE_COLOR, label=f"sparsity-friendly: {n - len(quant)}")],
               loc="upper right", fontsize=8, framealpha=0.9)
     sub = []
-    if "n_q" in profile:
-        sub.append(f"last {profile['n_q']} queries")
-    if "top" in profile:
+    if "n_q" in profile:  # the rows used: n_q, or fewer on a short prompt
+        sub.append(f"last {profile.get('rows', profile['n_q'])} queries")
+    if "top_k" in profile:
+        sub.append(f"top {profile['top_k']} keys per row")
+    elif "top" in profile:
         sub.append(f"top {100 * float(profile['top']):g}% keys")
     tokens = (profile.get("calibration") or {}).get("tokens", profile.get("tokens"))
     if tokens:

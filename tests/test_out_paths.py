@@ -1,0 +1,58 @@
+"""Output paths are checked before any work (empty, a file where a folder goes, under a file, not writable) and
+an earlier run's results are replaced only with --overwrite."""
+import os
+
+import pytest
+
+from tailorkv.engine import ui
+from tailorkv.engine.results import check_out, refuse_existing
+
+
+def test_check_out_refuses_what_cannot_be_written(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert check_out(str(tmp_path / "new" / "deeper")) == str(tmp_path / "new" / "deeper")
+    assert check_out(str(tmp_path / "p.json"), kind="file") == str(tmp_path / "p.json")
+    with pytest.raises(ValueError, match="--out is empty: give a folder name"):
+        check_out("  ")
+    with pytest.raises(ValueError, match="is a file: give a folder"):
+        check_out(str(a_file))
+    with pytest.raises(ValueError, match="is a folder: give a file name"):
+        check_out(str(tmp_path), kind="file")
+    with pytest.raises(ValueError, match=r"a_file is a file, not a folder: choose another path"):
+        check_out(str(a_file / "sub"))
+    with pytest.raises(ValueError, match=r"a_file is a file, not a folder"):
+        check_out(str(a_file / "sub" / "p.json"), kind="file")
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+
+
+def test_check_out_names_a_folder_it_cannot_write_in(tmp_path):
+    with pytest.raises(ValueError, match=r"--out /proc/x: cannot write in /proc \(.*\): choose another path"):
+        check_out("/proc/x")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any folder")
+def test_check_out_names_a_folder_this_user_may_not_write(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="cannot write in .*locked .*Permission denied"):
+            check_out(str(locked / "results"))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_refuse_existing_names_overwrite(tmp_path):
+    path = tmp_path / "bench.json"
+    refuse_existing(str(path), overwrite=False)  # nothing there: fine
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="already holds an earlier run's results: pass --overwrite"):
+        refuse_existing(str(path), overwrite=False)
+    refuse_existing(str(path), overwrite=True)
+
+
+@pytest.mark.parametrize("text", ["infk", "inf", "nan", "-8k", "1e400"])
+def test_lengths_must_be_finite_and_positive(text):
+    with pytest.raises(ValueError, match="is not a length"):
+        ui.parse_length(text)
