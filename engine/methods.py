@@ -37,6 +37,23 @@ def read_profile(path: str) -> dict:
     return prof
 
 
+def check_profile(prof: dict, path: str, n_layers: int, model: str) -> None:
+    """A profile given with --layer-profile against the model it is used for: its layer count, its quantized
+    layers and q-hat cosines (one number or null per layer)."""
+    if prof.get("n_layers", n_layers) != n_layers:
+        raise ValueError(f"--layer-profile {path} was written for a model of {prof['n_layers']} layers, this one "
+                         f"has {n_layers}: profile this model (`tailorkv profile --model {model} --out FILE`)")
+    bad = [i for i in prof["quant_layers"] if not 0 <= i < n_layers]
+    cos = prof.get("prediction_cos")
+    cos_ok = cos is None or (isinstance(cos, list) and len(cos) == n_layers and all(
+        c is None or (type(c) in (int, float) and -1.0 <= c <= 1.0) for c in cos))
+    if bad or not cos_ok:
+        what = f"quant_layers {bad} lie outside layers 0..{n_layers - 1}" if bad else \
+            f"prediction_cos is not {n_layers} cosines (a number in [-1, 1] or null per layer)"
+        raise ValueError(f"--layer-profile {path} is not a layer profile of this model ({what}): give a file "
+                         f"written by `tailorkv profile --model {model}`")
+
+
 def shipped_profile(family: dict) -> dict | None:
     """The model's calibration profile (configs/profiles), if it has one."""
     prof = family.get("profile") or (f"profiles/{family['name']}.json" if family.get("name") else None)
@@ -55,9 +72,8 @@ def with_profile(settings: MethodSettings, family: dict, n_layers: int, model: s
         return settings
     given = settings.layer_profile
     prof = read_profile(given) if given else shipped_profile(family)
-    if given and prof.get("n_layers", n_layers) != n_layers:
-        raise ValueError(f"--layer-profile {given} was written for a model of {prof['n_layers']} layers, this one "
-                         f"has {n_layers}: profile this model (`tailorkv profile --model {model} --out FILE`)")
+    if given:
+        check_profile(prof, given, n_layers, model)
     quant = settings.quant_layers
     if quant is None:
         quant = list(prof["quant_layers"]) if prof else family.get("quant_layers")

@@ -2,6 +2,8 @@
 a knob that no chosen method uses is refused (KNOB_USERS in engine/settings.py says which method uses which)."""
 from __future__ import annotations
 
+import os
+
 import click
 
 from tailorkv.engine.ui import UserError
@@ -122,7 +124,8 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
     rules = {k: v for k, v in (("select_rule", select_rule), ("channel_rule", channel_rule),
                                ("own_query_below", own_query_below)) if v is not None}
     s = MethodSettings(method=method, bits=None if bits is None else int(bits), budget=budget, sink=sink,
-                       recent=recent, channels=channels, quant_layers=ql, layer_profile=layer_profile, select=select,
+                       recent=recent, channels=channels, quant_layers=ql, select=select,
+                       layer_profile=os.path.abspath(layer_profile) if layer_profile else None,  # as --resume compares
                        sketch_bits=int(sketch_bits), predict_ahead=predict_ahead, predict_weights=predict_weights,
                        **rules)
     try:

@@ -65,7 +65,7 @@ def check_out(path: str, kind: str = "folder", flag: str = "--out") -> str:
         raise ValueError(f"{flag} is empty: give a {kind} name")
     if kind == "folder" and os.path.isfile(path):
         raise ValueError(f"{flag} {path} is a file: give a folder")
-    if kind == "file" and os.path.isdir(path):
+    if kind == "file" and (os.path.isdir(path) or path.endswith(("/", os.sep))):
         raise ValueError(f"{flag} {path} is a folder: give a file name inside it")
     parent = os.path.abspath(path if kind == "folder" else os.path.dirname(os.path.abspath(path)))
     while not os.path.exists(parent):

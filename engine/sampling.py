@@ -92,15 +92,15 @@ def resolve(flags: dict, model_file: dict | None = None, greedy: bool = False,
     in generation_config.json). greedy: the default temperature is 0 (one-shot -p). Returns the parameters
     and where the defaults came from."""
     base = dict(LLAMA_CPP_DEFAULTS)
-    source = "llama.cpp defaults"
-    shipped = model_defaults(model_file or {})
-    if shipped:
-        base.update(shipped)
-        source = f"{', '.join(sorted(shipped))} from {model_source}, the rest llama.cpp defaults"
-    if greedy:
-        base["temperature"] = 0.0
     known = {f.name for f in fields(SamplingParams)}
     given = {k: v for k, v in flags.items() if v is not None and k in known}
+    shipped = {k: v for k, v in model_defaults(model_file or {}).items() if k not in given}
+    base.update(shipped)
+    if greedy:
+        base["temperature"] = 0.0
+    parts = [f"{', '.join(sorted(k for k in given if k != 'seed'))} from the flags"] if set(given) - {"seed"} else []
+    parts += [f"{', '.join(sorted(shipped))} from {model_source}"] if shipped else []
+    source = ", ".join(parts + ["the rest llama.cpp defaults" if parts else "llama.cpp defaults"])
     p = SamplingParams(**{k: v for k, v in {**base, **given}.items() if k in known})
     p.validate()
     return p, source

@@ -78,6 +78,8 @@ def test_sweep_writes_json_and_plots(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     res = load(out / "bench.json")
     check_schema(res, methods, [128, 256])
+    tkv = res["method_settings"]["tailorkv"]  # the layers as resolved, not left to a profile file that may change
+    assert tkv["quant_layers"] == [0] and isinstance(tkv["own_query_layers"], list)
     full = [c for c in res["cells"] if c["method"] == "full"]
     assert all(c["status"] == "ok" for c in full), full
     assert full[0]["kv_device_bytes"] > 0 and full[0]["kv_host_bytes"] == 0

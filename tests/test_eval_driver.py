@@ -423,6 +423,9 @@ def test_an_earlier_run_is_kept_unless_overwrite_or_resume(tiny_dir, tmp_path):
                           "a_file is a file, not a folder")
     assert_one_line_error(invoke("eval-merge", str(tmp_path), "--out", str(a_file / "sub")),
                           "a_file is a file, not a folder")
+    # eval-merge replaces an earlier merge, not a whole run's results
+    assert_one_line_error(invoke("eval-merge", str(out)), "holds results that no merge wrote: pass --overwrite")
+    assert (out / "eval.json").read_text() == '{"earlier": true}'
 
 
 def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):

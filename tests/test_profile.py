@@ -212,8 +212,7 @@ def test_cli_writes_json_and_png(cli_main, tiny_dir, tmp_path):
     assert r2.exit_code == 0, r2.output
     assert json.loads(out.read_text())["P"] == prof["P"]
     # how to use it: a model given by path has no shipped profile, so the command line is printed
-    assert f"use it: tailorkv run --model {tiny_dir} --method tailorkv --layer-profile {out}" in " ".join(
-        r2.output.split())
+    assert f"use it: tailorkv run --model {tiny_dir} --method tailorkv --layer-profile {out}\n" in r2.output
     # a profile already there is kept unless --overwrite says otherwise, and that is known before calibrating
     before = out.read_bytes()
     r3 = CliRunner().invoke(cli_main, cmd[1:])
@@ -222,6 +221,9 @@ def test_cli_writes_json_and_png(cli_main, tiny_dir, tmp_path):
     assert CliRunner().invoke(cli_main, cmd[1:] + ["--overwrite"]).exit_code == 0
     r4 = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--out", ""])
     assert "--out is empty: give a file name" in _one_error_line(r4)
+    r5 = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--out",
+                                       str(tmp_path / "new") + "/"])
+    assert "is a folder: give a file name inside it" in _one_error_line(r5)
 
 
 def _one_error_line(r):

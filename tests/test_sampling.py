@@ -77,8 +77,10 @@ def test_defaults_come_from_flags_then_model_then_llama_cpp():
     p, source = resolve({}, model)
     assert (p.temperature, p.top_p, p.repeat_penalty, p.top_k) == (0.6, 0.9, 1.05, 40)
     assert "temperature" in source and "llama.cpp" in source
-    p, _ = resolve({"temperature": 1.2, "top_k": 5}, model)
+    p, source = resolve({"temperature": 1.2, "top_k": 5, "seed": 3}, model)
     assert (p.temperature, p.top_k, p.top_p) == (1.2, 5, 0.9)
+    assert source == ("temperature, top_k from the flags, repeat_penalty, top_p from the model's generation config, "
+                      "the rest llama.cpp defaults")  # each value credited to where it came from
     assert resolve({}, {"do_sample": False, "temperature": 0.6})[0].greedy
     assert resolve({}, model, greedy=True)[0].greedy and not resolve({"temperature": 0.5}, model, greedy=True)[0].greedy
     p, _ = resolve({}, {"general.sampling.temp": 0.3, "general.sampling.penalty_last_n": 32})  # GGUF metadata

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import time
 
 import click
@@ -124,10 +125,11 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--out", type=click.Path(file_okay=False), default=None, help="where to write (default FOLDER)")
     @click.option("--partial", is_flag=True, help="merge what the shards finished even if items are left (the "
                   "result says complete: false; each table cell counts its samples)")
+    @click.option("--overwrite", is_flag=True, help="replace an eval.json there that no merge wrote")
     @ui.friendly
-    def eval_merge(folder, out, partial):
+    def eval_merge(folder, out, partial, overwrite):
         """Merge the eval.shard-*-of-*.json files of FOLDER into eval.json + PNG plots (and print the tables)."""
-        run_merge(folder, out, partial)
+        run_merge(folder, out, partial, overwrite)
 
     return [eval_cmd, eval_merge]
 
@@ -256,7 +258,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                           f"{r['status'].upper()}[/] {escape(r['error'] or '')}")
     ok = sum(r["status"] == "ok" for r in records)
     con.print(f"{ok}/{len(records)} records ok; results in {', '.join(paths)}"
-              + (f" (shard {shard_t[0]} of {shard_t[1]}: merge with `tailorkv eval-merge {out}`)" if shard_t else ""))
+              + (f" (shard {shard_t[0]} of {shard_t[1]}: merge with `tailorkv eval-merge {shlex.quote(out)}`)" if shard_t else ""))
 
 
 def item_line(i: int, n: int, what: str, recs: list[dict]) -> str:
@@ -293,7 +295,7 @@ def run_items(items, loaded, plan, suites, texts, records, bar, save, lines: boo
                 ui.err.print(item_line(i, len(items), what, recs), markup=False)
 
 
-def run_merge(folder: str, out: str | None, partial: bool = False) -> None:
+def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bool = False) -> None:
     from tailorkv.engine import ui
     from tailorkv.engine.evaluation import merge as M
     from tailorkv.engine.evaluation.report import write_outputs
@@ -302,7 +304,16 @@ def run_merge(folder: str, out: str | None, partial: bool = False) -> None:
     if not os.path.isdir(folder):
         raise ui.UserError(f"{folder}: no such folder")
     check_out(out if out is not None else folder)
-    files = sorted(glob.glob(os.path.join(folder, "eval.shard-*-of-*.json")))
+    target = os.path.join(out if out is not None else folder, "eval.json")
+    if os.path.exists(target) and not overwrite:  # an earlier merge is replaced; a whole run's results are not
+        try:
+            merged_before = bool(M.read_results(target).get("merged_from"))
+        except ValueError:
+            merged_before = False
+        if not merged_before:
+            raise ui.UserError(f"{target} holds results that no merge wrote: pass --overwrite to replace them, "
+                               f"or merge into another --out")
+    files = sorted(f for f in glob.glob(os.path.join(folder, "eval.shard-*-of-*.json")) if os.path.isfile(f))
     if not files:
         raise ui.UserError(f"{folder} holds no eval.shard-*-of-*.json files: run `tailorkv eval --shard i/n "
                             f"--out {folder}` first")

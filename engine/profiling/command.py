@@ -208,7 +208,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
 
     write_files_atomically([(img_path, lambda tmp: plot_profile(prof, tmp)), (out_path, write_json)])
 
-    con = Console(highlight=False)
+    con = Console(highlight=False, soft_wrap=True)  # the printed command stays one line, to paste
     con.print(f"[bold]{loaded.name}[/]: P per layer from {len(ids)} calibration tokens, last {res['rows']} "
               f"queries, top {res['top_k']} keys per row; tau = {tau:g}")
     table = Table()
@@ -230,6 +230,8 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     if family and out_path == default_out(model, family, False):
         con.print(f"tailorkv runs of {loaded.name} load it (--layer-profile FILE picks another)")
     elif not loaded.random:
-        con.print(f"use it: tailorkv run --model {shlex.quote(model)} --method tailorkv --layer-profile "
-                  f"{shlex.quote(out_path)}")
+        weights_args = (f" --weights {shlex.quote(weights)}" if weights else "") + \
+            (" --random-weights" if random_weights else "")
+        con.print(f"use it: tailorkv run --model {shlex.quote(model)}{weights_args} --method tailorkv "
+                  f"--layer-profile {shlex.quote(out_path)}")
     return prof
