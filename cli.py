@@ -74,7 +74,7 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     cfg, family = peek(model, weights, random_weights)
     ctx_len = check_ctx(ctx_len, cfg, model)
     settings = model_defaults(settings, family)
-    check_for_model([settings], cfg, click.get_current_context(), family)
+    settings, = check_for_model([settings], cfg, click.get_current_context(), family)
     dt = pick_dtype(dtype, dev, cfg)
     settings = plan_memory(settings, cfg, family, ctx_len, limit, dt, click.get_current_context())
 

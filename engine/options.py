@@ -135,21 +135,23 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
     return s
 
 
-def check_for_model(settings_list, cfg, ctx: click.Context, family: dict) -> None:
-    """Knobs against the model's shape, and tailorkv's layer profile (given, shipped, or none: an error). Only a
-    --channels the user gave is checked: the default (the paper's 12) is cut to a smaller head dimension by the
-    policy."""
+def check_for_model(settings_list, cfg, ctx: click.Context, family: dict) -> list:
+    """Knobs against the model's shape, and tailorkv's layer profile (given, shipped, or none: an error); returns
+    the settings with the profile's layers filled in (methods.with_profile). Only a --channels the user gave is
+    checked: the default (the paper's 12) is cut to a smaller head dimension by the policy."""
     import shlex
     from dataclasses import replace
     from tailorkv.engine.methods import with_profile
     given = given_knobs(ctx)
     model = shlex.quote(ctx.params.get("model") or "MODEL")
+    checked = []
     for s in settings_list:
         try:
             (s if "channels" in given else replace(s, channels=1)).check_model(cfg.head_dim, cfg.n_layers)
-            with_profile(s, family, cfg.n_layers, model)
+            checked.append(with_profile(s, family, cfg.n_layers, model))
         except ValueError as e:
             raise UserError(str(e)) from None
+    return checked
 
 
 def plan_memory(settings, cfg, family: dict, ctx_len: int, limit: int | None, dtype, ctx: click.Context,

@@ -66,7 +66,8 @@ def check_out(path: str, kind: str = "folder", flag: str = "--out") -> str:
     if kind == "folder" and os.path.isfile(path):
         raise ValueError(f"{flag} {path} is a file: give a folder")
     if kind == "file" and (os.path.isdir(path) or path.endswith(("/", os.sep))):
-        raise ValueError(f"{flag} {path} is a folder: give a file name inside it")
+        raise ValueError(f"{flag} {path} is a folder: give a file name inside it, like "
+                         f"{os.path.join(path, 'results.json')}")
     parent = os.path.abspath(path if kind == "folder" else os.path.dirname(os.path.abspath(path)))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

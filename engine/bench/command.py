@@ -206,7 +206,6 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     from tailorkv.engine import options, results as R, ui
     from tailorkv.engine.bench import driver as B
     from tailorkv.engine.bench.plot import plot_all
-    from tailorkv.engine.methods import with_profile
     from tailorkv.engine.settings import METHODS
 
     if hbm_gbps <= 0 or pcie_gbps <= 0:
@@ -223,8 +222,9 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     cfg, family = options.peek(model, weights, random_weights)
     dt = ui.pick_dtype(dtype, dev, cfg)
     settings = {m: options.model_defaults(s, family) for m, s in settings.items()}
-    options.check_for_model(settings.values(), cfg, click.get_current_context(), family)
-    settings = {m: with_profile(s, family, cfg.n_layers) for m, s in settings.items()}  # bench.json: the layers
+    # the profile's layers filled in: bench.json records them
+    settings = dict(zip(settings, options.check_for_model(settings.values(), cfg, click.get_current_context(),
+                                                          family)))
     ctx_list = ctx_list or default_ctxs(cfg.max_context)
     if limit and dev.type == "cuda" and "tailorkv" in settings:  # the sketch's bits at the sweep's largest context
         settings["tailorkv"] = options.plan_memory(settings["tailorkv"], cfg, family, max(ctx_list), limit,

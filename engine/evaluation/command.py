@@ -182,9 +182,10 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
         raise ui.UserError("--resume needs --out DIR: the folder of the run to finish")
     if resume and overwrite:
         raise ui.UserError("--resume keeps the earlier run's items, --overwrite replaces them: use one of them")
+    name = "eval.json" if shard_t is None else P.shard_filename(*shard_t)
     prev = None  # the results file --resume finishes
     if out is not None:
-        done_path = os.path.join(R.check_out(out), "eval.json" if shard_t is None else P.shard_filename(*shard_t))
+        done_path = os.path.join(R.check_out(out), name)
         if not resume:
             R.refuse_existing(done_path, overwrite, also=" (--resume finishes an interrupted run)")
         elif os.path.exists(done_path):
@@ -209,7 +210,6 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
 
     items = P.shard_items(plan.items(), shard_t)
     out = out or default_out_dir(loaded.name if not os.path.exists(model) else model)
-    name = "eval.json" if shard_t is None else P.shard_filename(*shard_t)
     json_path = os.path.join(out, name)
     con = _console()
     with con.status("generating the samples"):  # every length, even in a shard: the hash checks the merge
@@ -299,12 +299,12 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
     from tailorkv.engine import ui
     from tailorkv.engine.evaluation import merge as M
     from tailorkv.engine.evaluation.report import write_outputs
-
     from tailorkv.engine.results import check_out
+
     if not os.path.isdir(folder):
         raise ui.UserError(f"{folder}: no such folder")
-    check_out(out if out is not None else folder)
-    target = os.path.join(out if out is not None else folder, "eval.json")
+    dest = check_out(out if out is not None else folder)
+    target = os.path.join(dest, "eval.json")
     if os.path.exists(target) and not overwrite:  # an earlier merge is replaced; a whole run's results are not
         try:
             merged_before = bool(M.read_results(target).get("merged_from"))
@@ -330,7 +330,7 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
     res, warnings = M.merge_shards(shards, partial)
     for w in warnings:
         ui.err.print(f"[yellow]{escape(w)}[/]")
-    paths = write_outputs(res, out or folder)
+    paths = write_outputs(res, dest)
     con = _console()
     show(res, con)
     con.print(f"merged {len(files)} shards ({len(res['records']) + len(res['fidelity'])} items); "

@@ -118,8 +118,6 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     if length is not None and length < 2:
         raise ValueError(f"--length must be at least 2 tokens, got {length}")
     if out is not None:
-        if os.path.isdir(out):
-            raise ValueError(f"--out {out} is a folder: give a file name like {os.path.join(out, 'model.json')}")
         if out.lower().endswith(".png"):
             raise ValueError("--out names the JSON profile (the PNG goes next to it): use a .json name")
         check_out(out, kind="file")
@@ -230,8 +228,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     if family and out_path == default_out(model, family, False):
         con.print(f"tailorkv runs of {loaded.name} load it (--layer-profile FILE picks another)")
     elif not loaded.random:
-        weights_args = (f" --weights {shlex.quote(weights)}" if weights else "") + \
-            (" --random-weights" if random_weights else "")
+        weights_args = f" --weights {shlex.quote(weights)}" if weights else ""
         con.print(f"use it: tailorkv run --model {shlex.quote(model)}{weights_args} --method tailorkv "
                   f"--layer-profile {shlex.quote(out_path)}")
     return prof
