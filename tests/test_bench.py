@@ -134,6 +134,19 @@ def test_ctrl_c_keeps_the_finished_cells_and_their_plots(tiny, tmp_path, monkeyp
     check_png(out / "decode_ms.png")
 
 
+def test_ctrl_c_before_any_cell_writes_nothing_and_shows_no_empty_table(tiny, tmp_path, monkeypatch):
+    def sweep(loaded, plan, on_cell, on_phase):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(B, "run_sweep", sweep)
+    out = tmp_path / "b"
+    r = bench_cmd("--model", tiny, "--methods", "full", "--ctx", "128", "--out", str(out), *FAST[:8])
+    assert r.exit_code == 130 and "Traceback" not in r.output, r.output
+    assert r.output.strip().splitlines()[-1].startswith("error: interrupted: no cell had finished, nothing was written")
+    assert "KV offloaded" not in r.output  # the table's headers alone are not shown
+    assert not (out / "bench.json").exists()
+
+
 def test_unknown_method_is_a_clean_error(tiny, tmp_path):
     r = bench_cmd("--model", tiny, "--ctx", "128", "--methods", "full,magic", "--out", str(tmp_path), *FAST)
     assert r.exit_code == 1

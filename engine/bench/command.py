@@ -290,6 +290,8 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
         except KeyboardInterrupt:
             interrupted = True
         bar.update(task, visible=False)
+        if not cells:  # no row to show: not a table of headers alone
+            live.update(Group(), refresh=True)
         live.refresh()
     con.print()
     if interrupted:
