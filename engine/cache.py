@@ -79,7 +79,8 @@ class LayerCache:
     def abort(self, step: Step) -> None:
         """The step was interrupted after plan (maybe inside run): bring the layer back to the state before
         it, or raise RuntimeError when it cannot (the caller then rebuilds the cache from the token ids).
-        A decode step has stored nothing before commit, so there is nothing to undo."""
+        This default suits a policy whose decode step writes only to its token's own slots (a repeat of the step
+        rewrites them) and counts the token at commit; one that appends or evicts during run overrides it."""
         if not step.decode:
             raise RuntimeError(f"{self.name} cache cannot undo an interrupted multi-token step")
 

@@ -46,7 +46,7 @@ class DecodeGraphs:
         try:
             self._graph_for(step)
         finally:
-            self.cache.abort(step)  # a decode step stores nothing before commit: the cache is as it was
+            self.cache.abort(step)  # graphed policies write only their token's own slots before commit
 
     def _begin(self):
         self.positions.fill_(self.cache.length)

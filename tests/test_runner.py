@@ -60,6 +60,45 @@ def test_interrupted_decode_step_leaves_the_cache_intact(tiny):
     assert torch.allclose(engine.forward([ids[150]]), want, atol=1e-6, rtol=0)
 
 
+EVERY = {**SETTINGS, "offload": MethodSettings("offload"),
+         "streamingllm": MethodSettings("streamingllm", budget=48, sink=4),
+         "streamingllm-free": MethodSettings("streamingllm", budget=48, sink=4, free_generated=True),
+         "snapkv": MethodSettings("snapkv", budget=48, snap_window=8, snap_pool=5),
+         "quest": MethodSettings("quest", budget=48, page=16)}
+
+
+@pytest.mark.parametrize("method", list(EVERY))
+@pytest.mark.parametrize("cut_at", [0, 2])
+def test_ctrl_c_inside_a_decode_step_is_undone(tiny, method, cut_at):
+    """Ctrl-C after `cut_at` layers ran their step (and stored the token): recover, and the next steps give the
+    logits of a cache never interrupted."""
+    ids = torch.randint(3, 300, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine = Engine(tiny, build_cache(tiny, EVERY[method], 300))
+    engine.forward(ids[:150])
+    for t in ids[150:153]:
+        engine.forward([t])
+    want = [engine.forward([t]).clone() for t in ids[153:156]]
+    engine = Engine(tiny, build_cache(tiny, EVERY[method], 300))
+    engine.forward(ids[:150])
+    for t in ids[150:153]:
+        engine.forward([t])
+    layer = engine.cache.layers[cut_at]
+    real = layer.run
+
+    def run_then_ctrl_c(*a):
+        real(*a)
+        raise KeyboardInterrupt
+    layer.run = run_then_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        engine.forward([ids[153]])
+    del layer.run
+    engine.recover()
+    assert engine.cache.length == len(engine.tokens) == 153
+    got = [engine.forward([t]) for t in ids[153:156]]
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5, rtol=0), (g - w).abs().max()
+
+
 @pytest.mark.parametrize("method", list(SETTINGS))
 def test_long_prompt_path_writes_over_its_inputs_and_agrees(tiny, method, monkeypatch):
     """A prompt longer than MLP_CHUNK and INTO_Q_BLOCK: q written over the layer input, the attention over q,

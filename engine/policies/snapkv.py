@@ -80,7 +80,13 @@ class SnapKVCache(LayerCache):
 
     def plan(self, step):
         self.last = {"tokens_attended": self.n + step.n}
+        self._undo = (self.n, self.seen)  # a decode step appends during run: abort forgets it
         return None
+
+    def abort(self, step) -> None:
+        if not step.decode:
+            return super().abort(step)
+        self.n, self.seen = self._undo
 
     def run(self, q, k, v, step):
         """Eager only (the held count grows with every token)."""

@@ -62,6 +62,8 @@ class StreamingCache(LayerCache):
         return 0 if self.gen_k is None else self.gen_k.shape[2]
 
     def plan(self, step):
+        if step.decode:  # what abort restores: the counters, and the ring slot the store evicts (run fills it)
+            self._undo = (self.seen, self.n_sink, self.n_rec, self.head, self.gen_k, self.gen_v, None)
         if step.decode and self.free_generated:
             self.last = {"tokens_attended": self.held + self.n_gen + 1}
         elif step.decode:
@@ -80,6 +82,9 @@ class StreamingCache(LayerCache):
             out = attention_with_mask(q, torch.cat([self.k[:, :, :n], self.gen_k], 2),
                                       torch.cat([self.v[:, :, :n], self.gen_v], 2))
         elif step.decode:
+            if self.n_sink == self.sink and self.n_rec == self.cap:  # the ring is full: its oldest token goes
+                slot = self.sink + self.head
+                self._undo = self._undo[:-1] + ((slot, self.k[:, :, slot].clone(), self.v[:, :, slot].clone()),)
             self._store(k, v)
             out = attention_with_mask(q, self.k[:, :, :self.held], self.v[:, :, :self.held])
         else:
@@ -119,6 +124,15 @@ class StreamingCache(LayerCache):
         self.v[:, :, self.sink:self.sink + keep - a] = rv[:, :, a:]
         self.head = (self.head + m) % self.cap
         self.n_rec = min(self.cap, self.n_rec + m)
+
+    def abort(self, step) -> None:
+        """A decode step stored its token during run (evicting the ring's oldest when full): put both back."""
+        if not step.decode:
+            return super().abort(step)
+        self.seen, self.n_sink, self.n_rec, self.head, self.gen_k, self.gen_v, evicted = self._undo
+        if evicted is not None:
+            slot, k, v = evicted
+            self.k[:, :, slot], self.v[:, :, slot] = k, v
 
     def truncate(self, length: int) -> None:
         """Forget the newest tokens. Only possible while all of them are still held; afterwards the recent
