@@ -55,6 +55,9 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     prompt = one_shot_prompt(prompt, prompt_file)
     if system is not None:
         utf8_text(system, "--system")
+        if no_chat_template:
+            raise UserError("--system needs the chat template, which --no-chat-template turns off: drop one of "
+                            "them (raw text can carry the instructions in the prompt itself)")
     for s in stop:
         utf8_text(s, "--stop")
         if not s:

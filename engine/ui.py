@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import sys
 import time
@@ -287,15 +288,21 @@ def fmt_bytes(n: float) -> str:
         n /= 1024
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--gpu-mem-limit") -> int:
     """'24GiB', '24GB', '24G', '512MiB', '1e9' -> bytes (G/M/K without 'B' mean binary units)."""
     import re
+    bad = ValueError(f"{flag} '{text}' is not a size: write e.g. 24GiB, 24GB or 512MiB")
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text or "")
-    if not m:
-        raise ValueError(f"'{text}' is not a size: write e.g. 24GiB, 24GB or 512MiB")
-    num, unit, suffix = float(m.group(1)), m.group(2).upper(), m.group(3) or ""
+    try:
+        num = float(m.group(1)) if m else math.nan
+    except ValueError:
+        num = math.nan
+    unit, suffix = (m.group(2).upper(), m.group(3) or "") if m else ("", "")
     base = 1000 if suffix.lower() == "b" and unit else 1024
-    return int(num * base ** " KMGT".index(unit or " "))
+    size = num * base ** " KMGT".index(unit or " ")
+    if not (math.isfinite(size) and size >= 1):
+        raise bad
+    return int(size)
 
 
 def set_memory_limit(limit_bytes: int, device) -> float:

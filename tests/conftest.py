@@ -3,7 +3,20 @@ import os
 import pytest
 import torch
 
+from helpers import SEED
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_report_header(config):
+    return f"random inputs: TAILORKV_SEED={SEED} (set it to replay this run's inputs)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed:
+        report.sections.append(("random inputs", f"replay with TAILORKV_SEED={SEED}"))
 
 
 def pytest_collection_modifyitems(config, items):

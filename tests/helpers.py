@@ -1,7 +1,12 @@
 """Shared test helpers: tiny random Llama checkpoints (with or without transformers), results-file checks."""
+import os
+import random
+
 import pytest
 import torch
 
+# the seed of every test's random inputs: fresh per run, shown beside each failure (conftest); TAILORKV_SEED replays
+SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
 
 
 def assert_one_line_error(res, *needles):

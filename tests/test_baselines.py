@@ -1,11 +1,9 @@
 """The baseline cache policies (offload, streamingllm, snapkv, quest) and Quest's page ops (CPU, fp32).
 
-Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
+Inputs are random with a fresh seed per run (shown beside a failure; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
 
 import math
-import os
-import random
 import zlib
 
 import pytest
@@ -22,10 +20,8 @@ from tailorkv.engine.policies.streaming import StreamingCache
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.ops.attention import attention_with_mask, causal_attention
 from tailorkv.ops.page_select import page_bounds, page_scores, select_pages
-from helpers import One, rel_err
+from helpers import SEED, One, rel_err
 
-SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
-print(f"test_baselines seed: TAILORKV_SEED={SEED}")
 
 D = 16
 GQA = [(9, 3), (8, 2), (4, 4)]

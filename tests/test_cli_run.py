@@ -142,6 +142,13 @@ def test_interactive_chat_commands():
     (["--min-p", "1.5"], ["--min-p must be in [0, 1)"]),
     (["--repeat-penalty", "0"], ["--repeat-penalty must be > 0"]),
     (["-t", "0"], ["--threads must be at least 1"]),
+    (["--gpu-mem-limit", "1e400"], ["--gpu-mem-limit '1e400' is not a size", "24GiB"]),
+    (["--gpu-mem-limit", "e"], ["--gpu-mem-limit 'e' is not a size"]),
+    (["--gpu-mem-limit", "0"], ["--gpu-mem-limit '0' is not a size"]),
+    (["--gpu-mem-limit", "nan"], ["--gpu-mem-limit 'nan' is not a size"]),
+    (["--device", "xyz"], ["--device 'xyz' is not a device", "cpu or cuda"]),
+    (["--method", "tailorkv", "--quant-layers", "a,b"], ["--quant-layers 'a,b' is not a list of layer numbers"]),
+    (["--system", "Be brief.", "--no-chat-template"], ["--system needs the chat template", "drop one of them"]),
     (["--bogus"], ["No such option '--bogus'", "tailorkv run --help"]),
     (["-n", "many"], ["'many' is not a valid integer", "tailorkv run --help"]),
 ])

@@ -34,7 +34,6 @@ GROUPS = ["64", "12%"]
 RUNS = [(None, "full")] + [(b, m) for b in GROUPS for m in METHODS[1:]]  # each sample's runs, in order
 
 
-
 def invoke(*args):
     @click.group()
     def group():

@@ -1,10 +1,7 @@
 """Fused elementwise ops: each torch reference equals the model code it replaces (CPU, bit for bit); each CUDA
-kernel equals its reference within the dtype's rounding (GPU). Fresh random inputs per run (the seed is printed;
-set TAILORKV_SEED to replay one)."""
+kernel equals its reference within the dtype's rounding (GPU). Fresh random inputs per run (the seed is shown beside
+a failure; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
-
-import os
-import random
 
 import pytest
 import torch
@@ -15,9 +12,8 @@ from tailorkv.models.llama import MLP, Attention, RMSNorm
 from tailorkv.models.rope import Rope
 from tailorkv.ops import dispatch, fused_cuda
 from tailorkv.ops.fused import add_rms_norm, rms_norm, rope_, silu_mul, silu_mul_halves
+from helpers import SEED
 
-SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
-print(f"test_fused seed: TAILORKV_SEED={SEED}")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}

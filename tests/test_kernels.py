@@ -1,22 +1,17 @@
 """Kernels against their torch references (the dispatch rule on CPU; the kernels themselves on a CUDA GPU).
 
-Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
+Inputs are random with a fresh seed per run (shown beside a failure; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
 
-import os
-import random
 import warnings
 
 import pytest
 import torch
 
-from helpers import One
+from helpers import SEED, One
 
 from tailorkv.ops import dispatch
 from tailorkv.ops.host_gather import gather_rows
-
-SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
-print(f"test_kernels seed: TAILORKV_SEED={SEED}")
 
 
 def test_rule_keeps_the_reference_for_host_tensors(monkeypatch):

@@ -1,22 +1,17 @@
 """The fused 1/2-bit decode kernels (qk_quant, av_quant) against their torch references and a plain formula.
 
-Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
+Inputs are random with a fresh seed per run (shown beside a failure; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
 
 import math
-import os
-import random
 
 import pytest
 import torch
 
 from tailorkv.ops import dispatch
 from tailorkv.ops.quant import dequantize_sketch, quantize_values, unpack
-from helpers import random_keys, rel_err
+from helpers import SEED, random_keys, rel_err
 from tailorkv.ops.quant_attention import av_quant, qk_quant, quant_decode_attention
-
-SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
-print(f"test_kernels_quant seed: TAILORKV_SEED={SEED}")
 
 
 def poison_allocator(nbytes: int) -> None:

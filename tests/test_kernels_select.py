@@ -1,21 +1,15 @@
 """Token selection of sparse layers: approx_scores (reference with out=, against a plain formula; kernel against
 the reference) and the topk_tokens kernel (the SET of indices against torch.topk on distinct scores).
 
-Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
+Inputs are random with a fresh seed per run (shown beside a failure; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
-
-import os
-import random
 
 import pytest
 import torch
 
-from helpers import lowest_ties_topk, rel_err
+from helpers import SEED, lowest_ties_topk, rel_err
 from tailorkv.ops import dispatch
 from tailorkv.ops.sparse_select import approx_scores
-
-SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
-print(f"test_kernels_select seed: TAILORKV_SEED={SEED}")
 
 
 def plain_scores(q, kt_rows, channels):

@@ -2,22 +2,17 @@
 and the top-K kernel given a carry returns, step after step, the same set as the full search, whether it selects
 among the listed tokens (enough of them) or searches whole (too few, too many, the first step), ties included.
 
-Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
+Inputs are random with a fresh seed per run (shown beside a failure; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
 
 import math
-import os
-import random
 
 import pytest
 import torch
 
-from helpers import lowest_ties_topk, rel_err
+from helpers import SEED, lowest_ties_topk, rel_err
 from tailorkv.ops import dispatch
 from tailorkv.ops.topk_carry import TopKCarry
-
-SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
-print(f"test_kernels_topk_carry seed: TAILORKV_SEED={SEED}")
 
 
 def list_like_the_sketch_kernel(carry: TopKCarry, scores: torch.Tensor, g: torch.Generator) -> None:

@@ -2,17 +2,12 @@
 bit for bit (it only copies), on views of a fused qkv buffer, leaving every other slot untouched."""
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
 
 from tailorkv.ops import dispatch
 from tailorkv.ops.kv_store import store_kv
-
-SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
-print(f"test_kv_store seed: TAILORKV_SEED={SEED}")
+from helpers import SEED
 
 
 def case(B, H, N, n, D, dtype, device, g):

@@ -2,18 +2,13 @@
 product up to the output's rounding, on fresh random inputs, with any N (not a multiple of a block's rows) and K."""
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tailorkv.ops import dispatch
 from tailorkv.ops.linear import fp8_rows, linear, linear_fp8
-
-SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
-print(f"test_linear seed: TAILORKV_SEED={SEED}")
+from helpers import SEED
 
 
 def test_reference_is_f_linear():

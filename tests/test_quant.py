@@ -1,17 +1,15 @@
 """1/2-bit KIVI-style quantization, the packed decode ops and the QuantCache policy (CPU, fp32).
 
-Inputs are random with a fresh seed per run (printed; set TAILORKV_SEED to replay one)."""
+Inputs are random with a fresh seed per run (shown beside a failure; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
 
 import math
-import os
-import random
 import zlib
 
 import pytest
 import torch
 
-from helpers import One
+from helpers import SEED, One
 
 import tailorkv.ops.quant_attention as qa
 from tailorkv.engine.cache import LayerSpec
@@ -21,9 +19,6 @@ from tailorkv.engine.settings import MethodSettings
 from tailorkv.ops.quant import (codes_per_word, dequantize_keys, dequantize_values, pack, quantize_keys,
                        quantize_values, unpack)
 from tailorkv.ops.quant_attention import av_quant, qk_quant
-
-SEED = int(os.environ.get("TAILORKV_SEED", random.randrange(2**31)))
-print(f"test_quant seed: TAILORKV_SEED={SEED}")
 
 
 @pytest.fixture
