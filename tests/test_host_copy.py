@@ -22,7 +22,7 @@ def test_rows_plan_of_the_host_store_views():
 def test_reference_copies():
     host, dev = torch.zeros(2, 3, 50, 8), torch.randn(2, 3, 10, 8)
     host_copy(host[:, :, 5:15], dev)
-    assert torch.equal(host[:, :, 5:15], dev) and host[:, :, :5].abs().sum() == 0
+    assert torch.equal(host[:, :, 5:15], dev) and host[:, :, :5].abs().sum() == 0 and host[:, :, 15:].abs().sum() == 0
 
 
 @pytest.mark.cuda

@@ -7,6 +7,7 @@ import torch
 
 from tailorkv.ops.sparse_select import (approx_scores, channel_scores, combine_heads, head_scores, topk_channels,
                                         topk_tokens)
+from helpers import SEED
 
 B, HQ, HKV, D, N = 2, 6, 2, 16, 40
 G = HQ // HKV
@@ -149,3 +150,30 @@ def test_combine_heads_lse_equals_torch_logsumexp_with_masked_tokens():
     assert not torch.isnan(got).any()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.allclose(got[torch.isfinite(want)], want[torch.isfinite(want)], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("rule", ["sum", "lse", "psum"])
+def test_sketch_scores_reference_equals_the_logits_over_dequantized_keys(bits, rule):
+    """The sketch layout (packed per token) dequantizes as the keys' layout does; scores past `end` are -inf
+    and never NaN; each combine rule as brute force in float64."""
+    from tailorkv.ops.quant import dequantize_keys, quantize_keys, quantize_sketch
+    from tailorkv.ops.sparse_select import sketch_scores
+    g = torch.Generator().manual_seed(SEED + bits)
+    n, dim, group, offset, end, scale = 320, 64, 64, 7, 250, 1 / math.sqrt(64)
+    q = torch.randn(B, HQ, 1, dim, generator=g)
+    k = torch.randn(B, HKV, n, dim, generator=g) * torch.linspace(0.2, 3, dim)
+    got = sketch_scores(q, *quantize_sketch(k, bits, group), bits, group, torch.tensor([end]), offset, rule, scale)
+    keys = dequantize_keys(*quantize_keys(k, bits, group), bits, group, torch.float32).double()
+    logits = torch.stack([keys[:, h // G] @ q[:, h, 0].double()[:, :, None] for h in range(HQ)], 1)[..., 0] * scale
+    logits[..., torch.arange(n) + offset >= end] = float("-inf")                       # [B, Hq, n]
+    heads = logits.reshape(B, HKV, G, n)
+    want = {"sum": heads.sum(2), "lse": torch.logsumexp(heads, 2),
+            "psum": torch.softmax(heads, -1).sum(2)}[rule]
+    live = torch.arange(n) + offset < end
+    assert not got.isnan().any()
+    if rule == "psum":
+        assert torch.equal(got[..., ~live], torch.zeros_like(got[..., ~live]))
+    else:
+        assert torch.isneginf(got[..., ~live]).all()
+    assert (got[..., live].double() - want[..., live]).abs().max() <= 1e-5 * want[..., live].abs().max()

@@ -1,4 +1,6 @@
 """The stage breakdown's arithmetic on a hand-made trace (the GPU run makes the real one)."""
+import pytest
+
 from tailorkv.engine.bench.stages import stage_of, summarize
 
 
@@ -23,7 +25,8 @@ def test_summary_of_two_streams():
     assert s["kernels_per_step"] == 2.0                       # 4 kernels over 2 steps (copies are not kernels)
     assert abs(s["gpu_busy_ms"] - (250 + 10 + 40) / 1e3 / 2) < 1e-9
     assert s["stage_ms"]["pcie gather"] == 0.1 and s["stage_ms"]["pcie copy d2h"] == 0.02
-    assert list(s["stream_busy_ms"]) == ["13", "7"] or list(s["stream_busy_ms"]) == ["7", "13"]
+    busy = s["stream_busy_ms"]  # per step: stream 7's kernels 150 + 10 us, stream 13's gather 200 + copy 40 us
+    assert set(busy) == {"7", "13"} and busy["7"] == pytest.approx(0.08) and busy["13"] == pytest.approx(0.12)
     assert abs(s["other_streams_overlapped_ms"] - 0.1 / 2) < 1e-9
     assert abs(s["concurrent_ms"] - (400 - 300) / 1e3 / 2) < 1e-9  # 400 us of intervals in a 300 us union
 
