@@ -147,8 +147,9 @@ def check_for_model(settings_list, cfg, ctx: click.Context, family: dict) -> lis
     checked = []
     for s in settings_list:
         try:
+            s = with_profile(s, family, cfg.n_layers, model)
             (s if "channels" in given else replace(s, channels=1)).check_model(cfg.head_dim, cfg.n_layers)
-            checked.append(with_profile(s, family, cfg.n_layers, model))
+            checked.append(s)
         except ValueError as e:
             raise UserError(str(e)) from None
     return checked

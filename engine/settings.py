@@ -122,12 +122,17 @@ class MethodSettings:
             raise ValueError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
 
     def check_model(self, head_dim: int, n_layers: int) -> None:
-        """Checks that need the model's shape (tailorkv's knobs)."""
+        """Checks that need the model's shape (tailorkv's knobs; quant_layers as its layer profile resolved them)."""
         if self.method != "tailorkv":
             return
         if self.channels > head_dim:
             raise ValueError(f"--channels {self.channels} is more than the model's head dimension ({head_dim}): "
                              f"use at most {head_dim}")
+        bits = self.bits or DEFAULT_BITS
+        per_word = 32 // bits  # the 1/2-bit layers pack a token's channels in 32-bit words
+        if self.quant_layers and head_dim % per_word:
+            raise ValueError(f"tailorkv's {bits}-bit layers pack {per_word} channels per word, and this model's "
+                             f"head dimension ({head_dim}) is not a multiple of {per_word}: use another --method")
         bad = [i for i in self.quant_layers or [] if not 0 <= i < n_layers]
         if bad:
             raise ValueError(f"--quant-layers {bad[0]} is out of range: the model has layers 0..{n_layers - 1}")

