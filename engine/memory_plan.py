@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tailorkv.engine.settings import MethodSettings
+from tailorkv.engine.settings import DEFAULT_BITS, MethodSettings
 
 PLANNED_SKETCH_BITS = (2, 1)  # 4 bits only when asked for: twice the memory and scored bytes of 2, and slower
 #                               (128k on the H200: 6.55 against 6.42 ms/token, fourteenth session)
@@ -62,13 +62,13 @@ def sketch_bytes(cfg, ctx: int, sink: int, bits: int, group: int, batch: int) ->
     return KeySketch.bytes_for(batch, cfg.n_kv_heads, cfg.head_dim, ctx - sink, bits, group)
 
 
-def quant_layer_bytes(cfg, ctx: int, bits: int, group: int, batch: int, dtype_bytes: int) -> int:
-    """A 1/2-bit layer: packed K and V, K's scale and min per group and channel, V's per token and channel group,
-    a ring of exact recent values."""
-    hd, vg = cfg.head_dim, min(group, cfg.head_dim)
-    codes = 2 * ctx * hd * bits // 8
-    scales = 4 * (ctx // group) * hd + 4 * ctx * (hd // vg)
-    return batch * cfg.n_kv_heads * (codes + scales + 2 * group * hd * dtype_bytes)
+def quant_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtype_bytes: int) -> int:
+    """A 1/2-bit layer's buffers, as the policy allocates them (QuantCache.buffers)."""
+    import torch
+    from tailorkv.engine.policies.quant import QuantCache
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    return QuantCache.bytes_for(batch, cfg.n_kv_heads, cfg.head_dim, ctx, settings.bits or DEFAULT_BITS,
+                                settings.group, settings.residual, dtype)
 
 
 def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtype_bytes: int) -> int:
@@ -118,8 +118,7 @@ def estimate(cfg, settings: MethodSettings, layer_names: list[str], ctx: int, ba
     sparse = layer_names.count("sparse")
     sketch = sparse * sketch_bytes(cfg, ctx, settings.sink, settings.sketch_bits, settings.group, batch) \
         if settings.sketched else 0
-    other = (layer_names.count("quant") * quant_layer_bytes(cfg, ctx, settings.bits or 1, settings.group, batch,
-                                                            dtype_bytes)
+    other = (layer_names.count("quant") * quant_layer_bytes(cfg, settings, ctx, batch, dtype_bytes)
              + layer_names.count("full") * 2 * batch * cfg.n_kv_heads * ctx * cfg.head_dim * dtype_bytes
              + sparse * sparse_layer_bytes(cfg, settings, ctx, batch, dtype_bytes))
     q_rows = cfg.n_heads * cfg.head_dim  # --predict-weights fp8: a byte per W_q weight and a scale per row

@@ -92,7 +92,10 @@ def refuse_existing(path: str, overwrite: bool, also: str = "") -> None:
 
 def numbered_dir(model_name: str, root: str, marker: str) -> str:
     """<root>/<date>-<model>/, with -2, -3, ... when that folder already holds a results file (marker)."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(model_name))).strip("-") or "model"
+    name = os.path.normpath(model_name)
+    if name.split(os.sep)[-1] in (".", ".."):  # the folder the user stands in (or above): its own name
+        name = os.path.abspath(name)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(name)).strip("-.") or "model"
     base = os.path.join(root, f"{datetime.date.today().isoformat()}-{stem}")
     out, n = base, 1
     while os.path.exists(os.path.join(out, marker)):

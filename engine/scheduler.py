@@ -1,5 +1,5 @@
-"""The model cache's scheduler: the one place for streams, events and the two buffer sets that alternate by
-layer, so that what layer l reads can be filled while layer l - 1 computes.
+"""The model cache's scheduler: the one place for streams, events and the buffer sets that alternate by layer
+(two, or predict_ahead + 1), so that what layer l reads can be filled while the layers before it compute.
 
 On a GPU there are three streams: the compute stream (torch's current stream), a copy stream and a select
 stream. Work goes to a side stream with `copy_stream(...)` or `select_stream(...)`: it first waits for

@@ -458,29 +458,7 @@ def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     s = res["settings"]["64"]["512"]
     assert s["quest"]["dense_layers"] == [0, 1] and s["snapkv"]["free_generated"] is True
     assert all(x["status"] == "ok" for x in res["records"]) and len(res["records"]) == 3
-    assert res["warnings"] == []  # every policy applies free_generated
-
-
-def test_settings_a_policy_ignores_are_named(tiny, monkeypatch):
-    """Runs whose policies do not expose the setting they apply (free_generated for streamingllm and quest,
-    select_rule / channel_rule for sparse layers) are named in the warnings, once each."""
-    from types import SimpleNamespace
-    import tailorkv.engine.methods as methods
-    exposes: dict = {}
-
-    def fake_cache(loaded, settings, max_len):
-        names = {"tailorkv": ["quant", "sparse"], "quest": ["quest", "quest"]}.get(settings.method, ["full"] * 2)
-        return SimpleNamespace(layers=[SimpleNamespace(name=n, **exposes) for n in names])
-    monkeypatch.setattr(methods, "build_cache", fake_cache)
-    plan = P.EvalPlan(lengths=[512, 640], methods=["full", "tailorkv", "quest"], tasks=["passkey"], samples=1,
-                      base=MethodSettings(select_rule="psum"))
-    assert D.check_methods(tiny, plan) == [
-        "the sparse policy does not apply select_rule yet: it ran the paper's rule, not select_rule psum",
-        "quest does not implement free_generated yet: its budget still counts the generated tokens (protocol "
-        "plain asks every method to attend them on top)"]
-    exposes.update(free_generated=True, select_rule="psum", channel_rule="paper")
-    assert D.check_methods(tiny, plan) == []
-    assert D.check_methods(tiny, dataclasses.replace(plan, protocol="legacy")) == []
+    assert res["warnings"] == []
 
 
 @pytest.mark.parametrize("args, message", [

@@ -340,7 +340,8 @@ def test_missing_shards_and_records_need_partial():
     merged, warnings = merge_shards([(FILE.format(0, 2), shard(0, 2))], partial=True)
     assert merged["complete"] is False and warnings[0] == "partial merge: shards [1] of 2 wrote no file"
     assert [r["index"] for r in merged["records"] + merged["fidelity"]] == [0, 1, 4]
-    cut = shard(1, 2, records=[r for r in all_records() if r["item"] % 2 == 1 and r["index"] != 3])  # item 1's sl record never ran
+    # shard 1 stopped before item 1's sl record (index 3)
+    cut = shard(1, 2, records=[r for r in all_records() if r["item"] % 2 == 1 and r["index"] != 3])
     with pytest.raises(ValueError, match=re.escape("1 records have no result (first: item 1)")):
         merge_shards([(FILE.format(0, 2), shard(0, 2)), (FILE.format(1, 2), cut)])
     merged, warnings = merge_shards([(FILE.format(0, 2), shard(0, 2)), (FILE.format(1, 2), cut)], partial=True)
@@ -384,8 +385,13 @@ def test_numbered_dir_counts_up_past_folders_that_hold_results(tmp_path, day):
     ("HuggingFaceTB/SmolLM2-360M-Instruct", "SmolLM2-360M-Instruct"),
     ("./models/llama 3.1 (8B)!", "llama-3.1-8B"),
     ("/", "model"),                                            # nothing left: a fallback name
+    (".", "my model dir"),                                     # the folder the user runs in: its own name
+    ("sub/..", "my model dir"),
 ])
-def test_numbered_dir_names_the_model_safely(tmp_path, day, model, stem):
+def test_numbered_dir_names_the_model_safely(tmp_path, day, model, stem, monkeypatch):
+    (tmp_path / "my model dir" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "my model dir")
+    stem = stem.replace(" ", "-")
     out = R.numbered_dir(model, str(tmp_path), "eval.json")
     assert os.path.dirname(out) == str(tmp_path)
     name = os.path.basename(out)

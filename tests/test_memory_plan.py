@@ -29,6 +29,20 @@ def test_estimate_matches_the_measured_peak_at_128k():
     assert abs(fp8.total / GIB - 19.86) < 0.2 and abs((fp8.weights - e.weights) / GIB - 0.5) < 0.01
 
 
+@pytest.mark.parametrize("bits", [1, 2])
+def test_quant_layer_bytes_are_the_quant_cache_buffers(bits):
+    import torch
+    from tailorkv.engine.cache import LayerSpec
+    from tailorkv.engine.memory_plan import quant_layer_bytes
+    from tailorkv.engine.policies.quant import QuantCache
+    cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=100)
+    s = MethodSettings(method="tailorkv", bits=bits)
+    spec = LayerSpec(0, 4, 2, cfg.head_dim, 1000, 2, torch.bfloat16, torch.device("cpu"))
+    built = QuantCache(spec, s).device_bytes()
+    assert quant_layer_bytes(cfg, s, 1000, 2, 2) == built
+    assert built > 2 * 2 * (s.residual + s.residual + 1) * cfg.head_dim * 2  # more than its exact rows alone
+
+
 def test_sketch_bytes_are_the_key_sketch_buffers():
     import torch
     from tailorkv.engine.cache import LayerSpec

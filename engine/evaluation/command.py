@@ -204,9 +204,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                                  for b in plan.budgets], cfg, click_ctx, family)
     torch.manual_seed(plan.seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev, cfg))
-    warnings = D.check_methods(loaded, plan)
-    for w in warnings:
-        ui.err.print(f"[yellow]warning: {escape(w)}[/]")
+    D.check_methods(loaded, plan)
 
     items = P.shard_items(plan.items(), shard_t)
     out = out or default_out_dir(loaded.name if not os.path.exists(model) else model)
@@ -218,7 +216,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                                             loaded.family) for m in plan.methods} for b in plan.budgets}
     common = dict(command=R.command_line(), args=dict(params), env=R.environment(dev), model=model_info(loaded),
                   plan=plan, shard=shard_t, suites_hash=prompts.suite_hash(suites, plan.question),
-                  layer_policies=policies, warnings=warnings)
+                  layer_policies=policies)
     records: list[dict] = []
     if prev is not None:
         records = M.resumable_records(prev, S.results(records=[], **common), json_path, plan)

@@ -239,35 +239,19 @@ def run_item(loaded, plan: EvalPlan, item: dict, suites: dict[int, list[Sample]]
     return out
 
 
-COUNTS_GENERATED = ("streamingllm", "quest")  # policies whose own rule spends budget on generated tokens
-
-
-def check_methods(loaded, plan: EvalPlan) -> list[str]:
+def check_methods(loaded, plan: EvalPlan) -> None:
     """Build a tiny cache for every (budget, method, length) setting so configuration errors (no layer profile,
-    a budget a policy refuses) surface once, as one clear message, before any work. Returns warnings for
-    settings a policy does not say it applies (layer attributes `free_generated`, `select_rule`,
-    `channel_rule` equal to the settings'), so the results are not read as what they are not."""
+    a budget a policy refuses) surface once, as one clear message, before any work."""
     from tailorkv.engine.methods import build_cache
-    lax: dict[str, None] = {}
     for n in plan.lengths:
         for b, m in plan.runs():
             s = plan.settings(m, n, b)
             try:
-                cache = build_cache(loaded, s, 64)
+                build_cache(loaded, s, 64)
             except ValueError as e:
                 where = "" if b is None else f" budget {b}"
                 raise ValueError(f"{m} at length {length_label(n)}{where} ({s.budget} tokens = sink {s.sink} + "
                                  f"top-K {s.topk} + recent {s.recent}): {e}") from None
-            if s.free_generated:
-                lax.update({f"{layer.name} does not implement free_generated yet: its budget still counts the "
-                            f"generated tokens (protocol {plan.protocol} asks every method to attend them on top)":
-                            None for layer in cache.layers if layer.name in COUNTS_GENERATED
-                            and getattr(layer, "free_generated", None) is not True})
-            for key in ("select_rule", "channel_rule"):
-                lax.update({f"the {layer.name} policy does not apply {key} yet: it ran the paper's rule, not "
-                            f"{key} {getattr(s, key)}": None for layer in cache.layers if layer.name == "sparse"
-                            and getattr(layer, key, "paper") != getattr(s, key)})
     if plan.samples:
         from tailorkv.models.loader import require_tokenizer
         require_tokenizer(loaded)
-    return list(lax)

@@ -66,7 +66,7 @@ def results(*, command, args, env, model, plan: EvalPlan, shard, records: list[d
         "suites_hash": suites_hash,
         "settings": plan.settings_dict(),
         "layer_policies": layer_policies,  # per budget group and method: each layer's cache policy
-        "warnings": warnings or [],      # e.g. a policy that ignores the protocol's free_generated
+        "warnings": warnings or [],      # e.g. a partial merge's missing shards
         "complete": expected <= done,
         "records": tasks,
         "fidelity": fid,

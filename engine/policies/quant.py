@@ -50,20 +50,28 @@ class QuantCache(LayerCache):
                              f"({R}) a positive multiple of group")
         if D % self.vgroup or D % cpw:
             raise ValueError(f"quant cache: head_dim {D} must be a multiple of {self.vgroup} and {cpw}")
-        B, H, dev = spec.batch, spec.n_kv_heads, spec.device
-        nk = -(-spec.max_len // R) * R     # key positions a decode bucket may cover
+        for name, (shape, dtype) in self.buffers(spec.batch, spec.n_kv_heads, D, spec.max_len, self.bits,
+                                                 self.group, R, spec.dtype).items():
+            setattr(self, name, torch.zeros(shape, dtype=dtype, device=spec.device))
+        self.reset()
+
+    @staticmethod
+    def buffers(B: int, H: int, D: int, max_len: int, bits: int, group: int, R: int, dtype) -> dict:
+        """name -> (shape, dtype) of every device buffer (the memory plan sizes a layer from them too)."""
+        cpw, vgroup = codes_per_word(bits), min(group, D)
+        nk = -(-max_len // R) * R          # key positions a decode bucket may cover
         nv = nk + R                        # value positions the decode step's probabilities cover
         f16, i32 = torch.float16, torch.int32
-        self.k_codes = torch.zeros(B, H, nk // cpw, D, dtype=i32, device=dev)
-        self.k_scale = torch.zeros(B, H, nk // self.group, D, dtype=f16, device=dev)
-        self.k_min = torch.zeros_like(self.k_scale)
-        self.v_codes = torch.zeros(B, H, nv, D // cpw, dtype=i32, device=dev)
-        self.v_scale = torch.zeros(B, H, nv, D // self.vgroup, dtype=f16, device=dev)
-        self.v_min = torch.zeros_like(self.v_scale)
-        self.k_res = torch.zeros(B, H, R, D, dtype=spec.dtype, device=dev)
-        self.v_ring = torch.zeros(B, H, R + 1, D, dtype=spec.dtype, device=dev)
-        self.nkq_dev = torch.zeros((), dtype=torch.long, device=dev)
-        self.reset()
+        return {"k_codes": ((B, H, nk // cpw, D), i32), "k_scale": ((B, H, nk // group, D), f16),
+                "k_min": ((B, H, nk // group, D), f16), "v_codes": ((B, H, nv, D // cpw), i32),
+                "v_scale": ((B, H, nv, D // vgroup), f16), "v_min": ((B, H, nv, D // vgroup), f16),
+                "k_res": ((B, H, R, D), dtype), "v_ring": ((B, H, R + 1, D), dtype), "nkq_dev": ((), torch.long)}
+
+    @classmethod
+    def bytes_for(cls, *args) -> int:
+        """device_bytes() of a layer built with buffers(*args)."""
+        return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                   for shape, dtype in cls.buffers(*args).values())
 
     def reset(self) -> None:
         super().reset()

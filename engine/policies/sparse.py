@@ -61,7 +61,6 @@ class SparseOffloadCache(LayerCache):
         self.cap = self.recent + FLUSH
         if spec.layer_idx in (settings.own_query_layers or []):  # its one-layer-early prediction is poor
             self.wants_query_prediction = False
-        self.select_rule, self.channel_rule = settings.select_rule, settings.channel_rule  # what selector applies
         self.sketch = None
         if settings.sketched:
             self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink, self.topk)
@@ -190,8 +189,8 @@ class SparseOffloadCache(LayerCache):
         return self.spec.max_len - self.sink if self.sketch is None else self.sketch.capacity
 
     def _plan_buffers(self) -> None:
-        """Views of the scheduler's buffers (its set for this layer's parity) that this decode step fills (the
-        selector's). The first request allocates each at the size the largest middle needs."""
+        """Views of the scheduler's buffers (the set of this layer's index modulo their count) that this decode
+        step fills (the selector's). The first request allocates each at the size the largest middle needs."""
         self._buffers = {}
         for name, (shape, most_shape, dtype) in self.selector.buffers(self).items():
             full = self.scheduler.buffer(name, self.spec.layer_idx, most_shape, dtype)
