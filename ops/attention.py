@@ -221,7 +221,7 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: tor
     return (probs @ vz).reshape(B, Hq, 1, D).to(q.dtype)
 
 
-register_kernel("attend_decode", lambda: attention_cuda.load(attend_decode.reference))
+register_kernel("attend_decode", lambda: attention_cuda.load(attend_decode.fallback))
 
 
 @op("sparse_decode_attention")
@@ -273,4 +273,4 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
 
 
 register_kernel("sparse_decode_attention",
-                lambda: sparse_attention_cuda.load(sparse_decode_attention.reference))
+                lambda: sparse_attention_cuda.load(sparse_decode_attention.fallback))

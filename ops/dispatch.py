@@ -1,12 +1,16 @@
 """The one dispatch rule for every op: tensors the GPU can read (on the GPU, or in host memory it maps: pinned or
 ops/host_memory.py's stores, which kernels read zero-copy), at least one on the GPU, and a loadable kernel -> the
 kernel; else the torch reference. Kernels register themselves by op name; a kernel that fails to build is
-remembered as absent."""
+remembered as absent. A loaded kernel may still hand arguments it does not support (a dtype, a shape) to the
+op's `fallback`: the reference, counted in FALLBACKS by op name, which `tailorkv bench` reports per cell."""
 from __future__ import annotations
 
+import collections
 import os
 import warnings
 from typing import Callable
+
+FALLBACKS: collections.Counter = collections.Counter()  # op name -> calls a loaded kernel gave to its reference
 
 from tailorkv.ops.host_memory import gpu_readable
 
@@ -74,12 +78,17 @@ def preload(threads: int = 8) -> int:
 
 def op(name: str):
     """Decorator for a torch reference: calls the registered kernel instead when the rule says so.
-    The rule looks at the positional tensor arguments."""
+    The rule looks at the positional tensor arguments. The kernel's loader is handed `.fallback`."""
     def wrap(ref: Callable) -> Callable:
         def run(*args, **kwargs):
             kern = kernel_for(name, *[a for a in args if hasattr(a, "is_cuda")])
             return (kern or ref)(*args, **kwargs)
         run.reference = ref
+
+        def fallback(*args, **kwargs):
+            FALLBACKS[name] += 1
+            return ref(*args, **kwargs)
+        run.fallback = fallback
         run.__name__ = ref.__name__
         run.__doc__ = ref.__doc__
         return run

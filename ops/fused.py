@@ -61,7 +61,7 @@ def silu_mul_halves(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul(gate_up[..., :hidden], gate_up[..., hidden:])
 
 
-register_kernel("rms_norm", lambda: fused_cuda.load_rms_norm(rms_norm.reference, add=False))
-register_kernel("add_rms_norm", lambda: fused_cuda.load_rms_norm(add_rms_norm.reference, add=True))
-register_kernel("rope", lambda: fused_cuda.load_rope(rope_.reference))
-register_kernel("silu_mul", lambda: fused_cuda.load_silu_mul(silu_mul.reference))
+register_kernel("rms_norm", lambda: fused_cuda.load_rms_norm(rms_norm.fallback, add=False))
+register_kernel("add_rms_norm", lambda: fused_cuda.load_rms_norm(add_rms_norm.fallback, add=True))
+register_kernel("rope", lambda: fused_cuda.load_rope(rope_.fallback))
+register_kernel("silu_mul", lambda: fused_cuda.load_silu_mul(silu_mul.fallback))

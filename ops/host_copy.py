@@ -112,7 +112,7 @@ def _load():
                 for i in range(dst.shape[0]):  # the leading dims do not collapse: one 2D copy per index of the first
                     host_copy_2d(dst[i], src[i])
                 return dst
-            return host_copy.reference(dst, src)
+            return host_copy.fallback(dst, src)
         rows, width, dpitch, spitch = plan
         if rows * width == 0 or sm_writes(dst, src, rows, width, dpitch, spitch):
             return dst

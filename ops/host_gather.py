@@ -42,4 +42,4 @@ def _pick_rows(host: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, (first + i).view(-1)).view(B, H, n, X)
 
 
-register_kernel("gather_rows", lambda: host_gather_cuda.load(gather_rows.reference))
+register_kernel("gather_rows", lambda: host_gather_cuda.load(gather_rows.fallback))

@@ -21,4 +21,4 @@ def store_kv(k_dst: torch.Tensor, v_dst: torch.Tensor, slots: torch.Tensor, k: t
     v_dst.index_copy_(2, slots, v)
 
 
-register_kernel("store_kv", lambda: kv_store_cuda.load(store_kv.reference))
+register_kernel("store_kv", lambda: kv_store_cuda.load(store_kv.fallback))

@@ -17,7 +17,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-register_kernel("linear", lambda: linear_cuda.load(linear.reference))
+register_kernel("linear", lambda: linear_cuda.load(linear.fallback))
 
 
 def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,4 +33,4 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
     return (F.linear(x.float(), codes.float()) * scale).to(x.dtype)
 
 
-register_kernel("linear_fp8", lambda: linear_cuda.load_fp8(linear_fp8.reference))
+register_kernel("linear_fp8", lambda: linear_cuda.load_fp8(linear_fp8.fallback))

@@ -80,6 +80,6 @@ def quant_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torc
     return o, lse
 
 
-register_kernel("qk_quant", lambda: qk_quant_cuda.load(qk_quant.reference))
-register_kernel("quant_decode_attention", lambda: quant_decode_cuda.load(quant_decode_attention.reference))
-register_kernel("av_quant", lambda: av_quant_cuda.load(av_quant.reference))
+register_kernel("qk_quant", lambda: qk_quant_cuda.load(qk_quant.fallback))
+register_kernel("quant_decode_attention", lambda: quant_decode_cuda.load(quant_decode_attention.fallback))
+register_kernel("av_quant", lambda: av_quant_cuda.load(av_quant.fallback))

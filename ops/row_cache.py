@@ -45,4 +45,4 @@ def refresh_rows(host: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, row
         counts[1] += B * H * K
 
 
-register_kernel("refresh_rows", lambda: row_cache_cuda.load(refresh_rows.reference))
+register_kernel("refresh_rows", lambda: row_cache_cuda.load(refresh_rows.fallback))

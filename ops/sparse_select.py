@@ -155,6 +155,6 @@ def topk_tokens(scores: torch.Tensor, k: int, offset: int = 0, out: torch.Tensor
     return idx if out is None else out.copy_(idx)
 
 
-register_kernel("approx_scores", lambda: sparse_select_cuda.load_approx_scores(approx_scores.reference))
-register_kernel("sketch_scores", lambda: sketch_scores_cuda.load(sketch_scores.reference))
-register_kernel("topk_tokens", lambda: topk_cuda.load(topk_tokens.reference))
+register_kernel("approx_scores", lambda: sparse_select_cuda.load_approx_scores(approx_scores.fallback))
+register_kernel("sketch_scores", lambda: sketch_scores_cuda.load(sketch_scores.fallback))
+register_kernel("topk_tokens", lambda: topk_cuda.load(topk_tokens.fallback))

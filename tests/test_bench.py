@@ -64,6 +64,7 @@ def check_schema(res, methods, ctxs):
         assert nonneg(c["kv_device_bytes"]) and nonneg(c["kv_host_bytes"]) and positive(c["host_rss_bytes"])
         assert nonneg(c["pcie_bytes_per_token"]) and positive(c["achieved_gbps"])
         assert c["peak_device_bytes"] is None and c["peak_reserved_prefill_bytes"] is None  # CPU run
+        assert c["decode_reference_calls"] == {}  # a CPU run picks no kernel, so none hands a call back
         assert isinstance(c["stats"], dict) and all(nonneg(v) for v in c["stats"].values())
         f = c["floor"]
         assert positive(f["floor_ms"]) and positive(f["fraction"]) and positive(f["weight_bytes"])

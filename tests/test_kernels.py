@@ -3,6 +3,7 @@
 Inputs are random with a fresh seed per run (shown beside a failure; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
@@ -26,6 +27,28 @@ def test_rule_keeps_the_reference_for_host_tensors(monkeypatch):
     assert calls == []
     monkeypatch.setenv("TAILORKV_KERNELS", "0")
     assert probe(torch.zeros(3)) == "reference"
+
+
+def test_calls_a_kernel_hands_to_its_reference_are_counted(monkeypatch):
+    class OnGPU:  # stands in for a GPU tensor the kernel takes (fp32) or not (fp64)
+        is_cuda = True
+
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+    @dispatch.op("probe_counted")
+    def probe(x):
+        return "reference"
+
+    def loader():
+        return lambda x: "kernel" if x.dtype == torch.float32 else probe.fallback(x)
+
+    monkeypatch.setitem(dispatch._LOADERS, "probe_counted", loader)
+    monkeypatch.setattr(dispatch, "gpu_readable", lambda t: True)
+    monkeypatch.setattr(dispatch, "FALLBACKS", collections.Counter())
+    assert probe(OnGPU(torch.float32)) == "kernel" and dispatch.FALLBACKS == {}
+    assert probe(OnGPU(torch.float64)) == "reference" and dispatch.FALLBACKS == {"probe_counted": 1}
+    assert probe.reference(OnGPU(torch.float64)) == "reference" and dispatch.FALLBACKS == {"probe_counted": 1}
 
 
 def test_a_kernel_that_cannot_load_warns_once_and_the_reference_serves(monkeypatch):

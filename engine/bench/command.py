@@ -308,6 +308,10 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     for c in cells:
         if c["status"] != "ok":
             ui.err.print(f"[red]{c['method']} @ {c['ctx']}: {c['status'].upper()}[/] {escape(c['error'])}")
+        elif c.get("decode_reference_calls"):  # a kernel that did not take its arguments: a slower decode
+            calls = ", ".join(f"{op} x{n}" for op, n in sorted(c["decode_reference_calls"].items()))
+            ui.err.print(f"[yellow]{c['method']} @ {c['ctx']}: in decode, kernels handed these calls to their torch "
+                         f"reference (arguments they do not take): {calls}[/]")
     for c in cells:
         if c.get("prefill_stages"):
             con.print(prefill_stage_table(c))

@@ -29,6 +29,7 @@ from tailorkv.engine.results import percentile
 from tailorkv.engine.methods import build_cache
 from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
+from tailorkv.ops import dispatch
 
 HBM_GBPS = 4300.0   # H200 device-to-device copy, read + write (DESIGN.md, "Measured on the lent H200 machine")
 PCIE_GBPS = 55.0    # H200 host, pinned host-to-device copy (same place)
@@ -207,6 +208,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     decoded = [tok]
     out["cuda_graph"] = runner.graphs is not None
     say("decode")
+    handed_back = dispatch.FALLBACKS.copy()
     for _ in range(plan.warmup):
         tok = runner.decode(tok).argmax(-1, keepdim=True)
         decoded.append(tok)
@@ -231,6 +233,9 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
         step_stats.append(cache.stats())
     _sync(device)
     wall_ms = (time.perf_counter() - wall0) * 1e3 / n
+    # op -> calls its loaded kernel handed to the torch reference in warm-up and timed steps (graph captures
+    # included; a replay runs no Python): arguments the kernel does not take
+    out["decode_reference_calls"] = dict(dispatch.FALLBACKS - handed_back)
     if plan.profile_steps and cuda:
         from tailorkv.engine.bench.stages import profile_steps
         say("profile")
