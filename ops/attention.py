@@ -173,19 +173,6 @@ def _probs_times_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.to(v.dtype)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None):
-    """One query per head over Tk keys, GQA by viewing q as [B, Hkv, group, D] (K and V are read once).
-    valid: optional [Tk] boolean (False = masked out), used by CUDA-graph decode over a padded buffer."""
-    b, hq, tq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, (hq // hkv) * tq, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * softmax_scale(d)
-    if valid is not None:
-        scores = scores.masked_fill(~valid, float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(v.dtype), v)
-    return out.reshape(b, hq, tq, d)
-
-
 def attention_with_mask(q, k, v, mask=None):
     """Plain attention over the given keys; mask [.., Tq, Tk] boolean (True = attend) or None."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -193,6 +180,17 @@ def attention_with_mask(q, k, v, mask=None):
 
 def softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def group_probs(q: torch.Tensor, k: torch.Tensor, h: int, q_pos0: int) -> torch.Tensor:
+    """The attention of the query heads that read KV head h: q [B, Hq, w, D] at positions q_pos0 .. q_pos0 + w - 1
+    over k [B, Hkv, L, D] at positions 0 .. L - 1 -> fp32 [B, G, w, L] softmax probabilities, causally masked
+    (a later key gets 0). One KV head at a time bounds the temporary (SnapKV's vote, calibration's P)."""
+    G, L = q.shape[1] // k.shape[1], k.shape[2]
+    logits = (q[:, h * G:(h + 1) * G].float() @ k[:, h:h + 1].float().transpose(-1, -2)) * softmax_scale(q.shape[-1])
+    qpos = torch.arange(q_pos0, q_pos0 + q.shape[2], device=k.device)
+    future = qpos[:, None] < torch.arange(L, device=k.device)[None, :]
+    return torch.softmax(logits.masked_fill(future, float("-inf")), -1)
 
 
 @op("attend_decode")
@@ -237,7 +235,7 @@ def sparse_decode_attention(q: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.T
     no host rows): selected positions, absolute after adding pos_offset; a row is held iff
     S <= pos + pos_offset < tail_start, and then its K and V are row pos + pos_offset of host_k / host_v
     [B, Hkv, N, D] (pinned host memory). Rows that are not held are never read (this reference reads row 0, a
-    sink, in their place and zeroes it). Products in the inputs' dtype, softmax in fp32 (as decode_attention).
+    sink, in their place and zeroes it). Products in the inputs' dtype, softmax in fp32.
     rows_gathered: host_k / host_v [B, Hkv, K, D] hold the selected rows already (row j for pos[..., j], e.g.
     gathered on the copy stream one layer early; on the device or pinned), held as above.
     -> [B, Hq, 1, D] in q's dtype; zeros where no key is held. This reference gathers the rows with gather_rows

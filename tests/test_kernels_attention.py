@@ -14,7 +14,7 @@ import torch
 
 from helpers import SEED, rel_err
 from tailorkv.ops import dispatch
-from tailorkv.ops.attention import attend_decode, decode_attention, sparse_decode_attention
+from tailorkv.ops.attention import attend_decode, softmax_scale, sparse_decode_attention
 from tailorkv.ops.host_gather import gather_rows
 
 
@@ -178,6 +178,16 @@ def test_attend_decode_dispatch_calls_the_kernel(monkeypatch):
 
 
 # --- sparse_decode_attention ---------------------------------------------------------------------------------
+def decode_attention(q, k, v, valid):
+    """One query per head over Tk keys (GQA: q viewed as [B, Hkv, G, D]), products in the inputs' dtype and the
+    softmax in fp32, keys where `valid` [.., Tk] is False masked out."""
+    b, hq, tq, d = q.shape
+    qg = q.reshape(b, k.shape[1], (hq // k.shape[1]) * tq, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * softmax_scale(d)
+    out = torch.matmul(scores.masked_fill(~valid, float("-inf")).softmax(-1).to(v.dtype), v)
+    return out.reshape(b, hq, tq, d)
+
+
 def policy_math(q, dev_k, dev_v, host_k, host_v, pos, p, tail_start, sink):
     """What engine/policies/sparse.py `_decode` computed after the selection (before this op existed): masks
     of the device slots, gathers of the selected rows (unselected ones read row `sink` and are masked), cats,

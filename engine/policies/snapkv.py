@@ -24,23 +24,17 @@ import torch.nn.functional as F
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.engine.settings import MethodSettings
-from tailorkv.ops.attention import attention_with_mask, causal_attention, softmax_scale
+from tailorkv.ops.attention import attention_with_mask, causal_attention, group_probs
 
 
 def snap_scores(q_win: torch.Tensor, k: torch.Tensor, pool: int) -> torch.Tensor:
     """q_win [B, Hq, w, D]: the last w queries, at key positions L-w .. L-1 of k [B, Hkv, L, D].
     Returns fp32 [B, Hkv, L-w]: the window's attention to each earlier token, summed over the window and the
-    GQA group, max-pooled along tokens. One KV head at a time bounds the [B, G, w, L] temporary."""
-    B, Hq, w, D = q_win.shape
-    H, L = k.shape[1], k.shape[2]
-    G, n = Hq // H, L - w
-    qpos = torch.arange(n, L, device=k.device)
-    masked = qpos[:, None] < torch.arange(L, device=k.device)[None, :]  # [w, L] True = future key
+    GQA group, max-pooled along tokens."""
+    B, H, n = q_win.shape[0], k.shape[1], k.shape[2] - q_win.shape[2]
     out = torch.empty(B, H, n, dtype=torch.float32, device=k.device)
     for h in range(H):
-        logits = q_win[:, h * G:(h + 1) * G].float() @ k[:, h:h + 1].float().transpose(-1, -2)
-        logits = (logits * softmax_scale(D)).masked_fill(masked, float("-inf"))
-        out[:, h] = torch.softmax(logits, -1)[..., :n].sum((1, 2))
+        out[:, h] = group_probs(q_win, k, h, n)[..., :n].sum((1, 2))
     if pool > 1:
         out = F.max_pool1d(out, pool, stride=1, padding=pool // 2)[..., :n]
     return out

@@ -33,7 +33,7 @@ import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec, ModelCache
 from tailorkv.engine.runner import Runner
-from tailorkv.ops.attention import causal_attention
+from tailorkv.ops.attention import causal_attention, group_probs
 
 DEFAULT_N_Q = 32
 DEFAULT_TOP = 0.05
@@ -57,27 +57,20 @@ def layer_p_tensor(q: torch.Tensor, k: torch.Tensor, n_q: int = DEFAULT_N_Q, top
     q [B, Hq, Tq, D] (roped) at positions q_offset.., k [B, Hkv, Tk, D] at positions 0..Tk-1; q_offset
     defaults to Tk - Tq (the queries are the last ones of the prompt). Uses the last min(n_q, Tq) queries and
     all Tk keys, causally masked; averages over batch, heads and rows."""
-    b, hq, tq, d = q.shape
+    b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     if q_offset is None:
         q_offset = tk - tq
-    group = hq // hkv
     rows = min(n_q, tq)
     kk = top_k_count(tk, top)
-    scale = 1.0 / math.sqrt(d)
-    q_last = q[:, :, tq - rows:].float()
-    qpos = torch.arange(q_offset + tq - rows, q_offset + tq, device=q.device)
-    visible = qpos[:, None] >= torch.arange(tk, device=q.device)[None, :]  # [rows, Tk]
+    q_last = q[:, :, tq - rows:]
     kept = torch.zeros((), dtype=torch.float64, device=q.device)
     for h in range(hkv):
-        qg = q_last[:, h * group:(h + 1) * group]  # [B, G, rows, D]: the query heads reading KV head h
-        scores = torch.matmul(qg, k[:, h:h + 1].float().transpose(-1, -2)) * scale  # [B, G, rows, Tk]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = group_probs(q_last, k, h, q_offset + tq - rows)  # [B, G, rows, Tk]
         kept = kept + torch.topk(probs, kk, dim=-1, sorted=False).values.sum(dtype=torch.float64)
-        del scores, probs
+        del probs
     return (1.0 - kept / (b * hq * rows)).clamp(0.0, 1.0)  # float rounding can step a hair outside [0, 1]
 
 
