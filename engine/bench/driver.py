@@ -27,6 +27,7 @@ import torch
 
 from tailorkv.engine.results import percentile
 from tailorkv.engine.methods import build_cache
+from tailorkv.engine.generate import sync
 from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.ops import dispatch
@@ -153,11 +154,6 @@ def _median_stats(steps: list[dict]) -> dict:
     return {k: float(statistics.median(s.get(k, 0) for s in steps)) for k in keys}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 Phase = Callable[[str], None]
 
 
@@ -182,7 +178,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     n_prompt = plan.prompt_len(ctx)
     prompt = bench_prompt(loaded, plan, ctx).to(device)
     say(f"prefill {n_prompt} tokens")
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     runner = Runner(model, cache, use_cuda_graph=plan.cuda_graph)
     if plan.profile_prefill and cuda:
@@ -194,7 +190,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
         out["prefill_s"] = out["prefill_stages"]["wall_ms"] / 1e3  # the profiler's wall: not its trace's export
     else:
         logits = runner.prefill(prompt)
-        _sync(device)
+        sync(device)
         out["prefill_s"] = time.perf_counter() - t0
     out["prefill_tok_s"] = plan.batch * n_prompt / out["prefill_s"]
     out["prefill_stats"] = {k: float(v) for k, v in cache.stats().items()}
@@ -212,7 +208,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     for _ in range(plan.warmup):
         tok = runner.decode(tok).argmax(-1, keepdim=True)
         decoded.append(tok)
-    _sync(device)
+    sync(device)
     n = plan.decode_steps
     reads_before = row_cache_reads(cache)
     step_stats, times_ms = [], []
@@ -231,7 +227,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
         else:
             times_ms.append((time.perf_counter() - t0) * 1e3)
         step_stats.append(cache.stats())
-    _sync(device)
+    sync(device)
     wall_ms = (time.perf_counter() - wall0) * 1e3 / n
     # op -> calls its loaded kernel handed to the torch reference in warm-up and timed steps (graph captures
     # included; a replay runs no Python): arguments the kernel does not take

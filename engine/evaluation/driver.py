@@ -33,6 +33,7 @@ import torch
 from tailorkv.engine.evaluation.plan import MARGIN, EvalPlan, length_label
 from tailorkv.engine.evaluation.prompts import prompt_ids
 from tailorkv.engine.evaluation.scoring import score
+from tailorkv.engine.evaluation.summary import mean_or_none
 from tailorkv.engine.evaluation.tasks import Sample
 from tailorkv.engine.settings import MethodSettings
 
@@ -50,10 +51,6 @@ def step_fractions(cache, context: int) -> dict:
     if selecting:
         out["attended_frac"] = sum(s["tokens_attended"] for s in selecting) / (len(selecting) * context)
     return out
-
-
-def _mean(xs: list[float]) -> float | None:
-    return statistics.fmean(xs) if xs else None
 
 
 def _pick(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -151,7 +148,7 @@ def run_sample(loaded, settings: MethodSettings, sample: Sample, max_new: int, q
     pred = tok.decode(g["answer"], skip_special_tokens=True)
     rec = {"prompt_tokens": len(ids), "prediction": pred, "new_tokens": len(g["answer"]), "stop": g["stop"],
            "score": 100.0 * score(pred, sample.answers, sample.metric),
-           "loaded_frac": _mean(fracs["loaded_frac"]), "attended_frac": _mean(fracs["attended_frac"]),
+           "loaded_frac": mean_or_none(fracs["loaded_frac"]), "attended_frac": mean_or_none(fracs["attended_frac"]),
            "prefill_s": g["prefill_s"], "decode_s": g["decode_s"], "nll": None, "nll_tokens": 0}
     nll, agree = g["nll"], g["agree"]
     if own:

@@ -22,7 +22,7 @@ KIND = "tailorkv-eval"
 TIMING_KEYS = ("prefill_s", "decode_s", "wall_s")  # the only record fields that differ between identical runs
 
 
-def _mean(xs: list[float]) -> float | None:
+def mean_or_none(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
@@ -91,11 +91,11 @@ def _cell(rs: list[dict], full: dict, plan: EvalPlan) -> dict:
     avg, avg_se = stratified(scores, plan.tasks)
     diff, diff_se = stratified(diffs, plan.tasks)
     dnll, dnll_se = stratified(dnlls, plan.tasks)
-    cell = {"tasks": {t: _mean(scores.get(t, [])) for t in plan.tasks}, "average": avg, "average_se": avg_se,
-            "diff": diff, "diff_se": diff_se, "dnll": dnll, "dnll_se": dnll_se, "agree": _mean(agree),
+    cell = {"tasks": {t: mean_or_none(scores.get(t, [])) for t in plan.tasks}, "average": avg, "average_se": avg_se,
+            "diff": diff, "diff_se": diff_se, "dnll": dnll, "dnll_se": dnll_se, "agree": mean_or_none(agree),
             "n": len(ok), "failed": len(rs) - len(ok)}
     for key in ("loaded_frac", "attended_frac"):
-        cell[key] = _mean([r[key] for r in ok if r.get(key) is not None])
+        cell[key] = mean_or_none([r[key] for r in ok if r.get(key) is not None])
     return cell
 
 
