@@ -12,7 +12,7 @@ from tailorkv.engine.bench import driver as B
 from tailorkv.engine.bench.command import register
 from tailorkv.engine.results import percentile
 from tailorkv.engine.settings import METHODS
-from helpers import assert_one_line_error, check_png, load_json_strict as load, write_tiny_hf
+from helpers import assert_one_line_error, check_png, load_json_strict as load, write_tiny_folder
 
 FAST = ["--decode-steps", "4", "--warmup", "1", "--device", "cpu", "--dtype", "fp32",
         "--budget", "48", "--sink", "8", "--recent", "16", "--channels", "4", "--quant-layers", "0"]
@@ -20,8 +20,8 @@ FAST = ["--decode-steps", "4", "--warmup", "1", "--device", "cpu", "--dtype", "f
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    write_tiny_hf(folder, n_layers=2)
+    folder = tmp_path_factory.mktemp("tiny")  # head_dim 32: room for the 1-bit layer's 32 channels per word
+    write_tiny_folder(folder, n_layers=2, hidden=128, n_heads=4, n_kv=2, head_dim=32, max_pos=2048)
     return str(folder)
 
 
@@ -81,8 +81,8 @@ def test_sweep_writes_json_and_plots(tiny, tmp_path):
     check_schema(res, methods, [128, 256])
     tkv = res["method_settings"]["tailorkv"]  # the layers as resolved, not left to a profile file that may change
     assert tkv["quant_layers"] == [0] and isinstance(tkv["own_query_layers"], list)
+    assert all(c["status"] == "ok" for c in res["cells"]), [c["error"] for c in res["cells"]]
     full = [c for c in res["cells"] if c["method"] == "full"]
-    assert all(c["status"] == "ok" for c in full), full
     assert full[0]["kv_device_bytes"] > 0 and full[0]["kv_host_bytes"] == 0
     check_png(out / "decode_ms.png")
     check_png(out / "peak_memory.png")
