@@ -64,6 +64,11 @@ def shipped_profile(family: dict) -> dict | None:
     return None
 
 
+def layer_profile(settings: MethodSettings, family: dict) -> dict | None:
+    """The profile tailorkv's settings read: --layer-profile's file, else the model's shipped one (None: none)."""
+    return read_profile(settings.layer_profile) if settings.layer_profile else shipped_profile(family)
+
+
 def with_profile(settings: MethodSettings, family: dict, n_layers: int, model: str = "MODEL") -> MethodSettings:
     """tailorkv's settings with what its layer profile decides filled in: the quantized layers (else the family's
     paper value) and the layers that select from their own query. A profile of another model (its layer count)
@@ -71,7 +76,7 @@ def with_profile(settings: MethodSettings, family: dict, n_layers: int, model: s
     if settings.method != "tailorkv" or (settings.quant_layers is not None and settings.own_query_layers is not None):
         return settings
     given = settings.layer_profile
-    prof = read_profile(given) if given else shipped_profile(family)
+    prof = layer_profile(settings, family)
     if given:
         check_profile(prof, given, n_layers, model)
     quant = settings.quant_layers

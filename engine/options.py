@@ -52,7 +52,7 @@ def method_options(fn):
                      help=f"e.g. 0,1 (default: the layer profile's; {_users('quant_layers')})"),
         click.option("--layer-profile", type=click.Path(dir_okay=False), default=None,
                      help="the layer profile, a JSON written by `tailorkv profile` (default: the model's shipped "
-                          f"one, configs/profiles/NAME.json) ({_users('layer_profile')})"),
+                          f"one, configs/profiles/NAME.json, where it has one) ({_users('layer_profile')})"),
         click.option("--select", type=click.Choice(SELECT_MODES), default=d.select, show_default=True,
                      help="sparse layers' scores: the paper's r channels of K^T from host memory (channels), "
                           "a 1/2/4-bit key sketch kept on the device (sketch), or the sketch scored one layer "
@@ -141,12 +141,17 @@ def check_for_model(settings_list, cfg, ctx: click.Context, family: dict) -> lis
     checked: the default (the paper's 12) is cut to a smaller head dimension by the policy."""
     import shlex
     from dataclasses import replace
-    from tailorkv.engine.methods import with_profile
+    from tailorkv.engine.methods import layer_profile, with_profile
     given = given_knobs(ctx)
     model = shlex.quote(ctx.params.get("model") or "MODEL")
     checked = []
     for s in settings_list:
         try:
+            if s.method == "tailorkv" and "own_query_below" in given and s.own_query_below > 0 \
+                    and not (layer_profile(s, family) or {}).get("prediction_cos"):
+                raise ValueError(f"--own-query-below reads the layers' profiled q-hat cosines, and this model's layer "
+                                 f"profile has none: write one with `tailorkv profile --model {model} --out prof.json`"
+                                 f" and pass --layer-profile prof.json")
             s = with_profile(s, family, cfg.n_layers, model)
             (s if "channels" in given else replace(s, channels=1)).check_model(cfg.head_dim, cfg.n_layers)
             checked.append(s)

@@ -141,6 +141,8 @@ def test_interactive_chat_commands():
     (["--method", "streamingllm", "--channels", "8"], ["--channels has no effect under streamingllm"]),
     (["--method", "tailorkv", "--own-query-below", "1.5"], ["--own-query-below must be a cosine in [0, 1]"]),
     (["--own-query-below", "0.3"], ["--own-query-below has no effect under full", "tailorkv"]),
+    (["-m", "llama-3.1-8b", "--random-weights", "--method", "tailorkv", "--own-query-below", "0.4"],
+     ["--own-query-below reads the layers' profiled q-hat cosines", "--layer-profile prof.json"]),
     (["--method", "tailorkv", "--predict-ahead", "0"], ["--predict-ahead must be at least 1"]),
     (["--predict-ahead", "2"], ["--predict-ahead has no effect under full", "tailorkv"]),
     (["--method", "tailorkv", "--predict-weights", "int4"], ["'int4' is not one of 'bf16', 'fp8'"]),

@@ -489,3 +489,15 @@ def test_a_log_gets_one_line_per_item(single):
     _, output = single
     lines = [line for line in output.splitlines() if line.startswith("[")]
     assert lines and lines[0].startswith("[1/") and ("score" in lines[0] or "done" in lines[0])
+
+
+def test_budgets_that_cover_the_whole_context_are_named():
+    from tailorkv.engine.evaluation.budgets import parse_budgets
+    from tailorkv.engine.evaluation.command import whole_context_notes
+    plan = P.EvalPlan(lengths=[512, 2048], methods=["full", "tailorkv", "quest"], tasks=["passkey"], samples=1)
+    assert whole_context_notes(plan) == [
+        "tailorkv @ budget 1024: 1024 tokens cover the whole context at 512: it attends to every token there, like full",
+        "quest @ budget 1024: 1024 tokens cover the whole context at 512: it attends to every token there, like full"]
+    plan = P.EvalPlan(lengths=[512, 2048], methods=["full", "tailorkv"], tasks=["passkey"], samples=1,
+                      budgets=parse_budgets("25%"))
+    assert whole_context_notes(plan) == []

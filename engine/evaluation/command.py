@@ -89,7 +89,7 @@ def register(main: click.Group) -> list[click.Command]:
                   help="seed of the generated samples")
     @click.option("--budgets", default=None,
                   help="budget groups: shares of the length and/or tokens, e.g. 1%,3%,6%,12%,25%,1024 (192 and 1024 "
-                       "bring the paper's sink/top-K/recent split and r)")
+                       "bring the paper's sink/top-K/recent split and r; default: one group, --budget's 1024)")
     @click.option("--budget-frac", type=float, default=None,
                   help="one budget group, round(F x length) per length (e.g. 0.03): --budgets with one share")
     @click.option("--split", type=click.Choice(["shrink", "paper"]), default="shrink", show_default=True,
@@ -159,6 +159,19 @@ EVAL_OPTIONS = ("model", "weights", "random_weights", "device", "dtype", "method
                 "fidelity_tokens", "out", "shard", "resume", "overwrite")
 
 
+def whole_context_notes(plan) -> list[str]:
+    """Runs whose budget covers the whole prompt: the method then attends to every token, like full."""
+    from tailorkv.engine.evaluation.plan import length_label
+    from tailorkv.engine.settings import KNOB_USERS
+    notes = []
+    for b, m in plan.runs():
+        covered = [n for n in plan.lengths if m in KNOB_USERS["budget"] and plan.settings(m, n, b).budget >= n]
+        if covered:
+            notes.append(f"{m} @ budget {b}: {plan.settings(m, covered[0], b).budget} tokens cover the whole context "
+                         f"at {', '.join(map(length_label, covered))}: it attends to every token there, like full")
+    return notes
+
+
 def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, device, dtype, out, shard, resume,
              overwrite=False, **options):
     """`options`: make_plan's keyword arguments; `knobs`: method_options' (the settings every method shares)."""
@@ -202,6 +215,8 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                             f"({cfg.max_context} tokens): lower --lengths")
     options_mod.check_for_model([plan.settings(m, n, b.label) for m in plan.methods for n in plan.lengths
                                  for b in plan.budgets], cfg, click_ctx, family)
+    for note in whole_context_notes(plan):
+        ui.err.print(f"[yellow]{escape(note)}[/]")
     torch.manual_seed(plan.seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev, cfg))
     D.check_methods(loaded, plan)

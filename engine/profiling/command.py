@@ -222,7 +222,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     con.print(f"quantization-friendly layers: {', '.join(map(str, q)) if q else 'none'} "
               f"({len(q)} of {loaded.cfg.n_layers}); calibration took {secs:.1f} s")
     if q:
-        con.print(f"tailorkv keeps their KV at {bits} bits unless --bits is given ({bits_source})")
+        con.print(f"tailorkv keeps their KV at {bits} bit{'s' if bits != 1 else ''} unless --bits is given ({bits_source})")
     con.print(f"wrote {out_path}")
     con.print(f"wrote {img_path}")
     if family and out_path == default_out(model, family, False):

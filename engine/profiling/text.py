@@ -6,7 +6,7 @@ so that the calibration prompt mixes narrative, technical, numeric and conversat
 words, 4,656 tokens with the SmolLM2 tokenizer; `tailorkv profile --length N` uses its first N tokens.
 """
 
-SOURCE = "built-in (engine/calibration_text.py)"
+SOURCE = "built-in (engine/profiling/text.py)"
 
 TEXT = """The Lighthouse Keeper's Ledger
 
