@@ -155,6 +155,20 @@ def test_unknown_method_is_a_clean_error(tiny, tmp_path):
     assert not os.path.exists(tmp_path / "bench.json")
 
 
+@pytest.mark.parametrize("args, needles", [
+    (["--hbm-gbps", "0"], ["--hbm-gbps must be a bandwidth above 0 GB/s", "--hbm-gbps 4300"]),
+    (["--pcie-gbps", "nan"], ["--pcie-gbps must be a bandwidth above 0 GB/s, got nan", "--pcie-gbps 55"]),
+    (["--batch", "0"], ["--batch must be at least 1, got 0"]),
+    (["--decode-steps", "0"], ["--decode-steps must be at least 1, got 0"]),
+    (["--warmup", "-1"], ["--warmup must be at least 0, got -1"]),
+    (["--gpu-mem-limit", "0"], ["--gpu-mem-limit '0' is not a size"]),
+])
+def test_bad_bench_values_are_one_line_before_loading(tiny, tmp_path, args, needles):
+    r = bench_cmd("--model", tiny, "--methods", "full", "--out", str(tmp_path / "b"), *args)
+    assert_one_line_error(r, *needles)
+    assert " parameters, " not in r.output and not (tmp_path / "b").exists()
+
+
 def test_bad_sizes_are_clean_errors(tiny, tmp_path):
     r = bench_cmd("--model", tiny, "--ctx", "64", "--decode-steps", "60", "--quant-layers", "0", "--out", str(tmp_path))
     assert r.exit_code == 1 and "no room for a prompt" in r.output

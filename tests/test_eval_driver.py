@@ -477,6 +477,9 @@ def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     (["--budget-frac", "2"], "--budget-frac must be in (0, 1]"),
     (["--methods", "quest", "--budgets", "8"], "quest at length 512 budget 8"),
     (["--methods", "full,streamingllm", "--channels", "4"], "--channels has no effect under full, streamingllm"),
+    (["--samples", "-1"], "--samples must be 0 or more, got -1: e.g. --samples 20"),
+    (["--fidelity-tokens", "-1"], "--fidelity-tokens must be 0 (off) or more, got -1"),
+    (["--samples", "0", "--fidelity-tokens", "0"], "nothing to do: --samples 0 and no --fidelity-tokens: give one"),
 ])
 def test_errors_are_one_line(tiny_dir, args, message, tmp_path):
     base = ["eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "512", "--samples", "1",

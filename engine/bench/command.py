@@ -2,6 +2,7 @@
 ui.py calls register(main)."""
 from __future__ import annotations
 
+import math
 import os
 
 import click
@@ -208,8 +209,9 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     from tailorkv.engine.bench.plot import plot_all
     from tailorkv.engine.settings import METHODS
 
-    if hbm_gbps <= 0 or pcie_gbps <= 0:
-        raise ui.UserError("--hbm-gbps and --pcie-gbps must be positive")
+    for flag, gbps, example in (("--hbm-gbps", hbm_gbps, 4300), ("--pcie-gbps", pcie_gbps, 55)):
+        if not (gbps > 0 and math.isfinite(gbps)):
+            raise ui.UserError(f"{flag} must be a bandwidth above 0 GB/s, got {gbps}: e.g. {flag} {example}")
     names = ui.split_list(methods)
     bad = [m for m in names if m not in METHODS]
     if bad:

@@ -64,8 +64,10 @@ class BenchPlan:
             raise ValueError("--methods is empty: name at least one method, e.g. full")
         if not self.ctxs:
             raise ValueError("--ctx is empty: give at least one context length, e.g. 8k")
-        if self.decode_steps < 1 or self.warmup < 0 or self.batch < 1:
-            raise ValueError("--decode-steps and --batch must be at least 1 and --warmup at least 0")
+        for flag, n, least in (("--decode-steps", self.decode_steps, 1), ("--batch", self.batch, 1),
+                               ("--warmup", self.warmup, 0)):
+            if n < least:
+                raise ValueError(f"{flag} must be at least {least}, got {n}: e.g. {flag} {max(least, 1)}")
         for ctx in self.ctxs:
             if self.prompt_len(ctx) < 1:
                 raise ValueError(f"--ctx {ctx} leaves no room for a prompt after {self.warmup} warm-up and "

@@ -125,15 +125,17 @@ class EvalPlan:
         if not self.lengths:
             raise ValueError("--lengths is empty: give at least one length, e.g. 4k")
         if not self.methods:
-            raise ValueError("--methods is empty")
+            raise ValueError("--methods is empty: name at least one, e.g. --methods full,tailorkv")
         if self.samples < 0:
-            raise ValueError("--samples must be 0 or more")
+            raise ValueError(f"--samples must be 0 or more, got {self.samples}: e.g. --samples 20")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError("--max-new-tokens must be at least 1")
+            raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}: or leave it out "
+                             f"(each task's own)")
         if self.fidelity_tokens < 0:
-            raise ValueError("--fidelity-tokens must be 0 (off) or more")
+            raise ValueError(f"--fidelity-tokens must be 0 (off) or more, got {self.fidelity_tokens}: e.g. "
+                             f"--fidelity-tokens 64")
         if self.samples == 0 and not self.fidelity_tokens:
-            raise ValueError("nothing to do: --samples 0 and no --fidelity-tokens")
+            raise ValueError("nothing to do: --samples 0 and no --fidelity-tokens: give one of them, e.g. --samples 20")
         if self.question not in QUESTION_PLACEMENTS:
             raise ValueError(f"--question {self.question}: use {' or '.join(QUESTION_PLACEMENTS)}")
         if self.split not in SPLITS:

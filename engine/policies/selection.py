@@ -57,7 +57,7 @@ class ChannelSelector(TokenSelector):
     taken whole (no scoring)."""
     fetches_ahead = True
 
-    def __init__(self, rule: str = "sum", channel_rule: str = "paper"):
+    def __init__(self, rule: str, channel_rule: str):
         self.rule, self.channel_rule = rule, channel_rule
 
     def buffers(self, layer):
