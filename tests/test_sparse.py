@@ -213,7 +213,7 @@ def test_predicted_query_selects_channels(gen):
         def channels(self, layer, q_sel):
             chosen.append(super().channels(layer, q_sel))
             return chosen[-1]
-    sp.selector = Recording()
+    sp.selector = Recording("sum", "paper")
     q = torch.zeros(B, hq, 1, D)
     q[..., 5] = 1.0   # the current query points at channel 5 ...
     q_hat = torch.zeros(B, hq, 1, D)
