@@ -77,7 +77,6 @@ def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtyp
     middle; sketch-ahead's top-K positions and gathered K/V rows, or with its row caches the positions only; the
     synchronous sketch has none) and sketch-ahead's row cache if on."""
     from tailorkv.engine.policies.row_cache import RowCache
-    from tailorkv.engine.policies.selection import ChannelSelector
     from tailorkv.engine.policies.sketch import SketchSelector
     from tailorkv.engine.policies.sparse import FLUSH
     hd, kv = cfg.head_dim, cfg.n_kv_heads
@@ -94,9 +93,6 @@ def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtyp
     else:
         r = min(settings.channels, hd)
         buffers = max(0, ctx - settings.sink) * (r * dtype_bytes + 4) + 8 * r  # + the r channel indices
-        if ChannelSelector.PREFETCH_ROWS:  # each layer's own row cache, and the predicted positions
-            rows = RowCache.bytes_for(batch, kv, hd, settings.topk, dtype_bytes)
-            buffers += settings.topk * 8
     return batch * kv * slots + rows + (settings.predict_ahead + 1) * batch * kv * buffers // max(1, cfg.n_layers)
 
 

@@ -67,15 +67,11 @@ def test_cuda_graph_decode_equals_eager(tiny):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits,select,ahead", [(1, "channels", 1), (2, "channels", 1), (1, "sketch", 1),
-                                               (1, "sketch-ahead", 1), (1, "sketch-ahead", 3),
-                                               (1, "channels+prefetch-rows", 1), (1, "channels+prefetch-rows", 2)])
-def test_cuda_graph_tailorkv_equals_eager(tmp_path, monkeypatch, bits, select, ahead):
+                                               (1, "sketch-ahead", 1), (1, "sketch-ahead", 3)])
+def test_cuda_graph_tailorkv_equals_eager(tmp_path, bits, select, ahead):
     """Quant layer 0 and sparse layers: flushes of the key residual and of the sparse tail happen between
     replays (commit), and the middle grows past a bucket: the graphs still equal eager steps. The sketch's
     prompt of 790 tokens leaves a middle of 758: 11 whole groups and a partial one, filled by later flushes."""
-    from tailorkv.engine.policies.selection import ChannelSelector
-    select, _, prefetch = select.partition("+")
-    monkeypatch.setattr(ChannelSelector, "PREFETCH_ROWS", prefetch == "prefetch-rows")
     write_tiny_folder(tmp_path, seed=6, hidden=128, n_heads=4, n_kv=2, head_dim=32, max_pos=2048)
     lm = load_model(str(tmp_path), device="cuda", dtype=torch.float32)
     s = MethodSettings("tailorkv", quant_layers=[0], bits=bits, budget=96, sink=8, recent=24, channels=8,

@@ -125,34 +125,3 @@ def test_the_kernel_replays_from_a_cuda_graph(gen):
         g.replay()
         torch.cuda.synchronize()
         check_state(host, pos, slots, rows, before)
-
-
-@pytest.mark.parametrize("rule", ["paper", "lse"])
-def test_rows_prefetched_from_the_prediction_change_no_logit(tmp_path, monkeypatch, rule):
-    """The paper's path with ChannelSelector.PREFETCH_ROWS: the predicted query's top-K rows are read ahead, the
-    current query's selection reads only its misses, and the decode gives the logits of the path that reads every
-    chosen row in place (the same rows; only the order of the softmax's sums differs)."""
-    from helpers import write_tiny_folder
-    from tailorkv.engine.generate import Engine
-    from tailorkv.engine.methods import build_cache
-    from tailorkv.engine.policies.selection import ChannelSelector
-    from tailorkv.engine.settings import MethodSettings
-    from tailorkv.models.loader import load_model
-    write_tiny_folder(tmp_path, seed=3, hidden=128, n_heads=4, n_kv=2, head_dim=32, n_layers=4, max_pos=2048)
-    lm = load_model(str(tmp_path))
-    s = MethodSettings("tailorkv", quant_layers=[0], budget=48, sink=4, recent=12, channels=8, select_rule=rule)
-    ids = torch.randint(3, 300, (420,), generator=torch.Generator().manual_seed(8)).tolist()
-
-    def decode(prefetch):
-        monkeypatch.setattr(ChannelSelector, "PREFETCH_ROWS", prefetch)
-        engine = Engine(lm, build_cache(lm, s, 512))
-        engine.forward(ids[:400])
-        return engine, [engine.forward([t]).clone() for t in ids[400:]]
-    _, want = decode(False)
-    engine, got = decode(True)
-    for g, w in zip(got, want):
-        assert (g - w).abs().max() <= 1e-5 * w.abs().max()
-    caches = [layer.selector.row_cache for layer in engine.cache.layers[1:]]
-    late, chosen = (sum(c.counts[i].item() for c in caches) for i in (0, 1))
-    ahead = sum(c.ahead_counts[0].item() for c in caches)
-    assert chosen == 3 * 2 * (48 - 4 - 12) * 20 and 0 < ahead and late < chosen  # 3 layers x 2 heads x top-K x steps

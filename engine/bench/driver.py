@@ -271,13 +271,13 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
 
 
 def row_cache_reads(cache) -> tuple[int, int] | None:
-    """Over the sparse layers' row caches since the cache's reset: (rows read from host, ahead or late; rows the
-    steps chose); None without row caches."""
+    """Over the sketch-ahead layers' row caches since the cache's reset: (rows read from host, rows chosen);
+    None without row caches."""
     caches = [c for layer in cache.layers if (c := getattr(getattr(layer, "selector", None), "row_cache", None))]
     if not caches:
         return None
     read, chosen = (sum(v) for v in zip(*(c.counts.tolist() for c in caches)))
-    return read + sum(c.ahead_counts[0].item() for c in caches), chosen
+    return read, chosen
 
 
 def topk_searches(cache) -> dict | None:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tailorkv.engine.policies.row_cache import RowCache
 from tailorkv.ops.host_gather import gather_rows
 from tailorkv.ops.attention import softmax_scale
-from tailorkv.ops.row_cache import refresh_rows
 from tailorkv.ops.sparse_select import (approx_scores, channel_scores, combine_heads, head_scores, topk_channels,
                                        topk_tokens)
 
@@ -56,71 +54,31 @@ class ChannelSelector(TokenSelector):
     r channels per KV head; their K^T rows over the middle come from host memory; approximate scores of the
     current query over those channels, the group's heads combined by `rule` (the paper's: summed logits; lse /
     psum: ops.sparse_select.combine_heads), pick the top-K tokens per KV head. A middle of at most K tokens is
-    taken whole (no scoring). With PREFETCH_ROWS the K and V rows that q_sel's own scores pick are read ahead
-    into a device row cache, and the exact selection then reads only the rows it chose that are not there."""
+    taken whole (no scoring)."""
     fetches_ahead = True
-    # Prefetch the predicted query's top-K rows on the copy stream (engine/policies/row_cache.py), so the current
-    # query's selection, which stays exact, reads only its misses from host memory inside the step.
-    PREFETCH_ROWS = False
 
-    def __init__(self, rule: str, channel_rule: str, spec=None, topk: int = 0):
+    def __init__(self, rule: str, channel_rule: str):
         self.rule, self.channel_rule = rule, channel_rule
-        use = self.PREFETCH_ROWS and spec is not None and topk > 0
-        self.row_cache = RowCache(spec, topk) if use else None
-
-    def reset(self) -> None:
-        if self.row_cache is not None:
-            self.row_cache.reset()
-
-    def device_bytes(self) -> int:
-        return self.row_cache.device_bytes() if self.row_cache is not None else 0
 
     def buffers(self, layer):
         s, n, most = layer.spec, layer.middle_bucket, layer.most_middle()
         B, H, r = s.batch, s.n_kv_heads, layer.r
-        out = {"kt_rows": ((B, H, r, n), (B * H * r * most,), s.dtype),
-               "scores": ((B, H, n), (B * H * most,), torch.float32),
-               "channels": ((B, H, r), (B * H * r,), torch.long)}
-        if self.row_cache is not None:
-            out["predicted"] = ((B, H, layer.topk), (B * H * layer.topk,), torch.long)
-        return out
+        return {"kt_rows": ((B, H, r, n), (B * H * r * most,), s.dtype),
+                "scores": ((B, H, n), (B * H * most,), torch.float32),
+                "channels": ((B, H, r), (B * H * r,), torch.long)}
 
     def prefetch(self, layer, q_sel):
         """The r channels per KV head from q_sel and their K^T rows over the middle's bucket, into the layer's
-        buffers `channels` [B, Hkv, r] and `kt_rows` [B, Hkv, r, n]; with a row cache, the K and V rows of
-        q_sel's top-K too."""
+        buffers `channels` [B, Hkv, r] and `kt_rows` [B, Hkv, r, n]."""
         lo, n = layer.sink, layer.middle_bucket
         chans = layer.buffer("channels")
         chans.copy_(self.channels(layer, q_sel))
         gather_rows(layer.host_kt[:, :, :, lo:lo + n], chans, q_sel.device, out=layer.buffer("kt_rows"))
-        if self.row_cache is not None and not layer.middle_whole:
-            self._refresh(layer, self._pick(layer, q_sel, out=layer.buffer("predicted")), self.row_cache.ahead_counts)
 
     def select(self, layer, q):
+        lo, n, k = layer.sink, layer.middle_bucket, layer.topk
         if layer.middle_whole:
             return layer.whole_middle(q)
-        pos = self._pick(layer, q)
-        if self.row_cache is None:
-            return pos
-        self._refresh(layer, pos, self.row_cache.counts)  # reads the rows the prefetch missed
-        return self.row_cache.slots
-
-    def rows(self, layer):
-        if self.row_cache is None or layer.middle_whole:
-            return None
-        r, D = self.row_cache.rows, layer.spec.head_dim
-        return r[..., :D], r[..., D:]
-
-    def _refresh(self, layer, pos, counts) -> None:
-        B, H, N, _, D = layer.host_kv.shape
-        cache = self.row_cache
-        refresh_rows(layer.host_kv.view(B, H, N, 2 * D), pos, cache.slots, cache.rows, layer.sink,
-                     layer.middle_bucket, counts)
-
-    def _pick(self, layer, q, out=None):
-        """Absolute positions [B, Hkv, K] of the top-K middle tokens by q's approximate scores over the fetched
-        K^T rows (into out)."""
-        lo, n, k = layer.sink, layer.middle_bucket, layer.topk
         chans, rows = layer.buffer("channels"), layer.buffer("kt_rows")
         scale = softmax_scale(q.shape[-1])
         if self.rule in ("sum", "lse"):  # one fused pass: the paper's summed logits, or their lse
@@ -130,7 +88,7 @@ class ChannelSelector(TokenSelector):
             past = torch.arange(lo, lo + n, device=q.device) >= layer.tail_start_dev
             logits = head_scores(q, rows, chans).masked_fill(past, float("-inf"))
             scores = combine_heads(logits, layer.spec.n_kv_heads, self.rule, scale)
-        return topk_tokens(scores, k, lo, out)
+        return topk_tokens(scores, k, lo)
 
     def channels(self, layer, q_sel):
         """The r channels per KV head [B, Hkv, r] whose K^T rows are fetched, from the query q_sel."""
