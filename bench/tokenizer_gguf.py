@@ -6,7 +6,7 @@ import sys
 
 import gguf
 
-from tailorkv.models.gguf import smollm2_gguf_path
+from tailorkv.models.loader import smollm2_gguf_path
 
 reader = gguf.GGUFReader(smollm2_gguf_path())
 writer = gguf.GGUFWriter(sys.argv[1], "llama")

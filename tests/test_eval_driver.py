@@ -193,7 +193,7 @@ def test_recall_probe_against_brute_force(tiny):
             pos = super().select(lay, q)
             seen.update(q=q.clone(), pos=pos.clone())
             return pos
-    layer.selector = Spy()
+    layer.selector = Spy(inner.rule, inner.channel_rule)
     with RecallProbe(eng.cache) as probe:
         eng.forward([ids[199]])
         probe.end_step()

@@ -8,7 +8,7 @@ import torch
 from tailorkv.engine.methods import build_cache
 from tailorkv.engine.runner import Runner
 from tailorkv.engine.settings import MethodSettings
-from tailorkv.models.gguf import smollm2_gguf_path
+from tailorkv.models.loader import smollm2_gguf_path
 from tailorkv.models.loader import load_model
 from helpers import prefill_then_decode, rel_err
 

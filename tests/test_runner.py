@@ -51,7 +51,7 @@ def test_interrupted_decode_step_leaves_the_cache_intact(tiny):
     class Boom(type(inner)):
         def select(self, *a):
             raise KeyboardInterrupt
-    layer.selector = Boom()
+    layer.selector = Boom(inner.rule, inner.channel_rule)
     with pytest.raises(KeyboardInterrupt):
         engine.forward([ids[150]])
     layer.selector = inner
