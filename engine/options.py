@@ -148,7 +148,7 @@ def check_for_model(settings_list, cfg, ctx: click.Context, family: dict) -> lis
     for s in settings_list:
         try:
             if s.method == "tailorkv" and "own_query_below" in given and s.own_query_below > 0 \
-                    and not (layer_profile(s, family) or {}).get("prediction_cos"):
+                    and not any(c is not None for c in (layer_profile(s, family) or {}).get("prediction_cos") or []):
                 raise ValueError(f"--own-query-below reads the layers' profiled q-hat cosines, and this model's layer "
                                  f"profile has none: write one with `tailorkv profile --model {model} --out prof.json`"
                                  f" and pass --layer-profile prof.json")

@@ -30,6 +30,16 @@ KNOB_USERS = {
 }
 
 
+def quant_shape_error(head_dim: int, bits: int, group: int) -> str | None:
+    """Why the 1/2-bit layers cannot hold this head dimension (None: they can): a token's channels pack into
+    32-bit words of 32 / bits codes, and the values' scale groups are min(group, head_dim) channels."""
+    per_word, vgroup = 32 // bits, min(group, head_dim)
+    if head_dim % per_word or head_dim % vgroup:
+        return (f"need a head dimension that is a multiple of {per_word} and of {vgroup}, and this model's is "
+                f"{head_dim}")
+    return None
+
+
 @dataclass
 class MethodSettings:
     method: str = "full"
@@ -129,10 +139,16 @@ class MethodSettings:
             raise ValueError(f"--channels {self.channels} is more than the model's head dimension ({head_dim}): "
                              f"use at most {head_dim}")
         bits = self.bits or DEFAULT_BITS
-        per_word = 32 // bits  # the 1/2-bit layers pack a token's channels in 32-bit words
-        if self.quant_layers and head_dim % per_word:
-            raise ValueError(f"tailorkv's {bits}-bit layers pack {per_word} channels per word, and this model's "
-                             f"head dimension ({head_dim}) is not a multiple of {per_word}: use another --method")
+        err = quant_shape_error(head_dim, bits, self.group)
+        if self.quant_layers and err:
+            fixes = (["--bits 2"] if bits == 1 and not quant_shape_error(head_dim, 2, self.group) else []) + \
+                ["--quant-layers ''", "another --method"]
+            raise ValueError(f"tailorkv's {bits}-bit layers {err}: use {' or '.join(fixes)}")
+        per_word = 32 // self.sketch_bits  # the sketch packs a token's channels in 32-bit words
+        if self.sketched and head_dim % per_word:
+            raise ValueError(f"--select {self.select}'s {self.sketch_bits}-bit sketch packs {per_word} channels per "
+                             f"word, and this model's head dimension ({head_dim}) is not a multiple of {per_word}: "
+                             f"use --select channels" + (" or --sketch-bits 4" if head_dim % 8 == 0 else ""))
         bad = [i for i in self.quant_layers or [] if not 0 <= i < n_layers]
         if bad:
             raise ValueError(f"--quant-layers {bad[0]} is out of range: the model has layers 0..{n_layers - 1}")

@@ -281,6 +281,13 @@ def prepare_kernels(cfg, dtype, device, quiet: bool = False) -> None:
                   f"from CuPy's cache)[/]")
 
 
+def every_token_note(method: str) -> str:
+    """What a method attends to when its budget covers the whole context (bench's and eval's notes)."""
+    if method == "tailorkv":
+        return "its sparse layers attend to every token there (its 1/2-bit layers stay quantized)"
+    return "it attends to every token there, like full"
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

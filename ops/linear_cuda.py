@@ -160,8 +160,10 @@ def load(reference):
         """Kernel for one row (x.numel() == K) of bf16/fp16 with weight rows contiguous, K % 8 == 0 and 16-byte
         aligned rows; else F.linear."""
         K = x.shape[-1] if x.dim() else 0
+        if x.numel() != K:  # several rows (prefill, batch > 1): cuBLAS's case, not a fallback
+            return getattr(reference, "uncounted", reference)(x, weight)
         ok = (x.dtype in kernels and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == K
-              and x.numel() == K and K % 8 == 0 and K > 0 and x.stride(-1) == 1 and weight.stride(1) == 1
+              and K % 8 == 0 and K > 0 and x.stride(-1) == 1 and weight.stride(1) == 1
               and weight.stride(0) % 8 == 0 and x.is_cuda and weight.is_cuda and x.device == weight.device
               and aligned(x, 16) and aligned(weight, 16))
         if not ok:
@@ -178,8 +180,10 @@ def load_fp8(reference):
         """Kernel for one row of bf16/fp16 (x.numel() == K) with e4m3 rows contiguous, K % 16 == 0, 16-byte aligned
         rows and fp32 scales [N] contiguous; else the reference."""
         K = x.shape[-1] if x.dim() else 0
+        if x.numel() != K:  # several rows: the reference's case, not a fallback
+            return getattr(reference, "uncounted", reference)(x, codes, scale)
         ok = (x.dtype in kernels and codes.dtype == torch.float8_e4m3fn and codes.dim() == 2 and codes.shape[1] == K
-              and x.numel() == K and K % 16 == 0 and K > 0 and x.stride(-1) == 1 and codes.stride(1) == 1
+              and K % 16 == 0 and K > 0 and x.stride(-1) == 1 and codes.stride(1) == 1
               and codes.stride(0) % 16 == 0 and scale.dtype == torch.float32 and scale.is_contiguous()
               and scale.shape == (codes.shape[0],) and all(t.is_cuda and t.device == x.device for t in (codes, scale))
               and aligned(x, 16) and aligned(codes, 16))

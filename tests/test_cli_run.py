@@ -49,7 +49,8 @@ def test_tailorkv_on_a_head_dim_its_packed_layers_cannot_hold(tmp_path):
     """head_dim 8 holds no 32 one-bit channels per word: refused before the weights load, not by the cache after."""
     write_tiny_hf(tmp_path)
     res = call("run", "-m", str(tmp_path), "--method", "tailorkv", "--quant-layers", "0", "-p", "hi", "--device", "cpu")
-    assert_clean_error(res, "head dimension (8) is not a multiple of 32", "use another --method")
+    assert_clean_error(res, "need a head dimension that is a multiple of 32 and of 8, and this model's is 8",
+                       "use --quant-layers '' or another --method")
     assert " parameters, " not in res.output
 
 

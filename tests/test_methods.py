@@ -111,3 +111,22 @@ def test_a_given_layer_profile_decides_the_layers(tmp_path):
 def test_no_profile_at_all_names_both_fixes():
     with pytest.raises(ValueError, match="ships none.*--layer-profile prof.json, or pass --quant-layers"):
         methods.with_profile(MethodSettings("tailorkv"), {}, 4)
+
+
+@pytest.mark.parametrize("head_dim, kw, needles", [
+    (96, dict(bits=1), ["multiple of 32 and of 64, and this model's is 96", "--quant-layers ''"]),  # values' groups
+    (80, dict(bits=2), ["multiple of 16 and of 64, and this model's is 80"]),
+    (48, dict(bits=1), ["multiple of 32 and of 48, and this model's is 48", "use --bits 2 or"]),
+    (24, dict(bits=1, quant_layers=[], select="sketch", sketch_bits=2), ["packs 16 channels per word",
+                                                                         "--select channels or --sketch-bits 4"]),
+])
+def test_head_dimensions_the_packed_layers_cannot_hold_are_refused(head_dim, kw, needles):
+    """The shapes QuantCache and the key sketch cannot build are refused by check_model, before any weight loads,
+    with the fixes that work; the shapes they can build pass."""
+    s = MethodSettings("tailorkv", **{"quant_layers": [0], **kw})
+    with pytest.raises(ValueError) as e:
+        s.check_model(head_dim, 4)
+    assert all(n in str(e.value) for n in needles), str(e.value)
+    for ok_dim, ok_kw in ((128, dict(bits=1)), (64, dict(bits=2)), (64, dict(select="sketch-ahead", sketch_bits=1)),
+                          (24, dict(quant_layers=[], select="sketch", sketch_bits=4))):
+        MethodSettings("tailorkv", **{"quant_layers": [0], **ok_kw}).check_model(ok_dim, 4)

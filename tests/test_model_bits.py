@@ -36,7 +36,7 @@ def family(tmp_path, monkeypatch, tiny_dir):
 
     def write(**extra) -> str:
         path = folder / "tiny-llama.json"
-        path.write_text(json.dumps({"name": "tiny-llama", "weights": {"hf_folder": None}, "arch": arch,
+        path.write_text(json.dumps({"name": "tiny-llama", "arch": arch,
                                     "profile": None, "quant_layers": [0], **extra}))
         return str(path)
     return write

@@ -40,4 +40,3 @@ def test_long_positions_match_transformers(pair):
     cache = build_cache(ours, MethodSettings("full"), max_len=4096)
     got = Runner(ours.model, cache).prefill(ids, all_logits=True)[0, -64:]
     assert rel_err(got, ref) < 1e-4
-

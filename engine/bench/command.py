@@ -102,6 +102,7 @@ def cell_line(cell: dict, i: int, n: int) -> str:
 
 def whole_context_notes(plan) -> list[str]:
     """Cells where a method's budget covers the whole context: the method then attends to every token."""
+    from tailorkv.engine import ui
     from tailorkv.engine.bench.plot import ctx_label
     from tailorkv.engine.settings import KNOB_USERS
     notes = []
@@ -110,7 +111,7 @@ def whole_context_notes(plan) -> list[str]:
         covered = [c for c in plan.ctxs if m in KNOB_USERS["budget"] and budget >= c]
         if covered:
             notes.append(f"{m}: --budget {budget} covers the whole context at {', '.join(map(ctx_label, covered))}: "
-                         f"it attends to every token there, like full")
+                         f"{ui.every_token_note(m)}")
     return notes
 
 

@@ -89,7 +89,8 @@ def register(main: click.Group) -> list[click.Command]:
                   help="seed of the generated samples")
     @click.option("--budgets", default=None,
                   help="budget groups: shares of the length and/or tokens, e.g. 1%,3%,6%,12%,25%,1024 (192 and 1024 "
-                       "bring the paper's sink/top-K/recent split and r; default: one group, --budget's 1024)")
+                       "bring the paper's sink/top-K/recent split and r; default: one group of --budget, 1024 unless "
+                       "given)")
     @click.option("--budget-frac", type=float, default=None,
                   help="one budget group, round(F x length) per length (e.g. 0.03): --budgets with one share")
     @click.option("--split", type=click.Choice(["shrink", "paper"]), default="shrink", show_default=True,
@@ -160,7 +161,8 @@ EVAL_OPTIONS = ("model", "weights", "random_weights", "device", "dtype", "method
 
 
 def whole_context_notes(plan) -> list[str]:
-    """Runs whose budget covers the whole prompt: the method then attends to every token, like full."""
+    """Runs whose budget covers the whole prompt: the method then attends to every token."""
+    from tailorkv.engine import ui
     from tailorkv.engine.evaluation.plan import length_label
     from tailorkv.engine.settings import KNOB_USERS
     notes = []
@@ -168,7 +170,7 @@ def whole_context_notes(plan) -> list[str]:
         covered = [n for n in plan.lengths if m in KNOB_USERS["budget"] and plan.settings(m, n, b).budget >= n]
         if covered:
             notes.append(f"{m} @ budget {b}: {plan.settings(m, covered[0], b).budget} tokens cover the whole context "
-                         f"at {', '.join(map(length_label, covered))}: it attends to every token there, like full")
+                         f"at {', '.join(map(length_label, covered))}: {ui.every_token_note(m)}")
     return notes
 
 

@@ -26,7 +26,7 @@ import math
 import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
-from tailorkv.engine.settings import MethodSettings
+from tailorkv.engine.settings import MethodSettings, quant_shape_error
 from tailorkv.engine.step import bucket_for
 from tailorkv.ops.attention import causal_attention, softmax_scale
 from tailorkv.ops.quant import codes_per_word, dequantize_keys, dequantize_values, quantize_keys, quantize_values
@@ -48,11 +48,13 @@ class QuantCache(LayerCache):
         if self.group % cpw or R < self.group or R % self.group:
             raise ValueError(f"quant cache: group ({self.group}) must be a multiple of {cpw} and residual "
                              f"({R}) a positive multiple of group")
-        if D % self.vgroup or D % cpw:
-            raise ValueError(f"quant cache: head_dim {D} must be a multiple of {self.vgroup} and {cpw}")
-        for name, (shape, dtype) in self.buffers(spec.batch, spec.n_kv_heads, D, spec.max_len, self.bits,
-                                                 self.group, R, spec.dtype).items():
+        err = quant_shape_error(D, self.bits, self.group)
+        if err:
+            raise ValueError(f"quant cache: {err}")
+        buffers = self.buffers(spec.batch, spec.n_kv_heads, D, spec.max_len, self.bits, self.group, R, spec.dtype)
+        for name, (shape, dtype) in buffers.items():
             setattr(self, name, torch.zeros(shape, dtype=dtype, device=spec.device))
+        self._buffer_names = tuple(buffers)
         self.reset()
 
     @staticmethod
@@ -208,6 +210,4 @@ class QuantCache(LayerCache):
 
     # --- accounting ---------------------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        bufs = (self.k_codes, self.k_scale, self.k_min, self.v_codes, self.v_scale, self.v_min, self.k_res,
-                self.v_ring, self.nkq_dev)
-        return sum(t.numel() * t.element_size() for t in bufs)
+        return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in self._buffer_names))
