@@ -161,7 +161,7 @@ def load(reference):
         aligned rows; else F.linear."""
         K = x.shape[-1] if x.dim() else 0
         if x.numel() != K:  # several rows (prefill, batch > 1): cuBLAS's case, not a fallback
-            return getattr(reference, "uncounted", reference)(x, weight)
+            return reference.uncounted(x, weight)
         ok = (x.dtype in kernels and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == K
               and K % 8 == 0 and K > 0 and x.stride(-1) == 1 and weight.stride(1) == 1
               and weight.stride(0) % 8 == 0 and x.is_cuda and weight.is_cuda and x.device == weight.device
@@ -181,7 +181,7 @@ def load_fp8(reference):
         rows and fp32 scales [N] contiguous; else the reference."""
         K = x.shape[-1] if x.dim() else 0
         if x.numel() != K:  # several rows: the reference's case, not a fallback
-            return getattr(reference, "uncounted", reference)(x, codes, scale)
+            return reference.uncounted(x, codes, scale)
         ok = (x.dtype in kernels and codes.dtype == torch.float8_e4m3fn and codes.dim() == 2 and codes.shape[1] == K
               and K % 16 == 0 and K > 0 and x.stride(-1) == 1 and codes.stride(1) == 1
               and codes.stride(0) % 16 == 0 and scale.dtype == torch.float32 and scale.is_contiguous()

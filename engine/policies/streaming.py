@@ -62,8 +62,8 @@ class StreamingCache(LayerCache):
         return 0 if self.gen_k is None else self.gen_k.shape[2]
 
     def plan(self, step):
-        if step.decode:  # what abort restores: the counters, and the ring slot the store evicts (run fills it)
-            self._undo = (self.seen, self.n_sink, self.n_rec, self.head, self.gen_k, self.gen_v, None)
+        if step.decode:  # what abort restores: the counters, and the ring slot the store evicts (run sets it)
+            self._undo, self._evicted = (self.seen, self.n_sink, self.n_rec, self.head, self.gen_k, self.gen_v), None
         if step.decode and self.free_generated:
             self.last = {"tokens_attended": self.held + self.n_gen + 1}
         elif step.decode:
@@ -84,7 +84,7 @@ class StreamingCache(LayerCache):
         elif step.decode:
             if self.n_sink == self.sink and self.n_rec == self.cap:  # the ring is full: its oldest token goes
                 slot = self.sink + self.head
-                self._undo = self._undo[:-1] + ((slot, self.k[:, :, slot].clone(), self.v[:, :, slot].clone()),)
+                self._evicted = slot, self.k[:, :, slot].clone(), self.v[:, :, slot].clone()
             self._store(k, v)
             out = attention_with_mask(q, self.k[:, :, :self.held], self.v[:, :, :self.held])
         else:
@@ -129,9 +129,9 @@ class StreamingCache(LayerCache):
         """A decode step stored its token during run (evicting the ring's oldest when full): put both back."""
         if not step.decode:
             return super().abort(step)
-        self.seen, self.n_sink, self.n_rec, self.head, self.gen_k, self.gen_v, evicted = self._undo
-        if evicted is not None:
-            slot, k, v = evicted
+        self.seen, self.n_sink, self.n_rec, self.head, self.gen_k, self.gen_v = self._undo
+        if self._evicted is not None:
+            slot, k, v = self._evicted
             self.k[:, :, slot], self.v[:, :, slot] = k, v
 
     def truncate(self, length: int) -> None:
