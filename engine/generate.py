@@ -8,11 +8,12 @@ from typing import Callable
 import torch
 
 from tailorkv.engine.cache import ModelCache
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.runner import Runner
 from tailorkv.engine.sampling import Sampler, SamplingParams
 
 
-class ContextTooLong(ValueError):
+class ContextTooLong(InputError):
     pass
 
 

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.cache import LayerSpec, ModelCache
 from tailorkv.engine.scheduler import Scheduler
 from tailorkv.engine.settings import DEFAULT_BITS, MethodSettings
@@ -18,11 +19,11 @@ NO_PROFILE = ("tailorkv needs a layer profile and this model ships none: write o
 
 
 def read_profile(path: str) -> dict:
-    """A layer profile written by `tailorkv profile`; a ValueError naming the file and the fix otherwise."""
+    """A layer profile written by `tailorkv profile`; an InputError naming the file and the fix otherwise."""
     if os.path.isdir(path):
-        raise ValueError(f"--layer-profile {path} is a folder: give the profile's JSON file")
+        raise InputError(f"--layer-profile {path} is a folder: give the profile's JSON file")
     if not os.path.isfile(path):
-        raise ValueError(f"--layer-profile {path}: no such file: check the path (`tailorkv profile --out FILE` "
+        raise InputError(f"--layer-profile {path}: no such file: check the path (`tailorkv profile --out FILE` "
                          f"writes one)")
     try:
         with open(path, "rb") as f:
@@ -32,7 +33,7 @@ def read_profile(path: str) -> dict:
     ok = isinstance(prof, dict) and isinstance(prof.get("quant_layers"), list) \
         and all(type(i) is int for i in prof["quant_layers"])
     if not ok:
-        raise ValueError(f"--layer-profile {path} is not a layer profile (a JSON with \"quant_layers\"): give a "
+        raise InputError(f"--layer-profile {path} is not a layer profile (a JSON with \"quant_layers\"): give a "
                          f"file written by `tailorkv profile`")
     return prof
 
@@ -41,7 +42,7 @@ def check_profile(prof: dict, path: str, n_layers: int, model: str) -> None:
     """A profile given with --layer-profile against the model it is used for: its layer count, its quantized
     layers and q-hat cosines (one number or null per layer)."""
     if prof.get("n_layers", n_layers) != n_layers:
-        raise ValueError(f"--layer-profile {path} was written for a model of {prof['n_layers']} layers, this one "
+        raise InputError(f"--layer-profile {path} was written for a model of {prof['n_layers']} layers, this one "
                          f"has {n_layers}: profile this model (`tailorkv profile --model {model} --out FILE`)")
     bad = [i for i in prof["quant_layers"] if not 0 <= i < n_layers]
     cos = prof.get("prediction_cos")
@@ -50,7 +51,7 @@ def check_profile(prof: dict, path: str, n_layers: int, model: str) -> None:
     if bad or not cos_ok:
         what = f"quant_layers {bad} lie outside layers 0..{n_layers - 1}" if bad else \
             f"prediction_cos is not {n_layers} cosines (a number in [-1, 1] or null per layer)"
-        raise ValueError(f"--layer-profile {path} is not a layer profile of this model ({what}): give a file "
+        raise InputError(f"--layer-profile {path} is not a layer profile of this model ({what}): give a file "
                          f"written by `tailorkv profile --model {model}`")
 
 
@@ -72,7 +73,7 @@ def layer_profile(settings: MethodSettings, family: dict) -> dict | None:
 def with_profile(settings: MethodSettings, family: dict, n_layers: int, model: str = "MODEL") -> MethodSettings:
     """tailorkv's settings with what its layer profile decides filled in: the quantized layers (else the family's
     paper value) and the layers that select from their own query. A profile of another model (its layer count)
-    or none at all is a ValueError naming the fix."""
+    or none at all is an InputError naming the fix."""
     if settings.method != "tailorkv" or (settings.quant_layers is not None and settings.own_query_layers is not None):
         return settings
     given = settings.layer_profile
@@ -83,7 +84,7 @@ def with_profile(settings: MethodSettings, family: dict, n_layers: int, model: s
     if quant is None:
         quant = list(prof["quant_layers"]) if prof else family.get("quant_layers")
     if quant is None:
-        raise ValueError(NO_PROFILE.format(model=model))
+        raise InputError(NO_PROFILE.format(model=model))
     own = settings.own_query_layers
     if own is None:
         own = own_query_layers_of(prof.get("prediction_cos") if prof else None, settings.own_query_below)
@@ -92,13 +93,13 @@ def with_profile(settings: MethodSettings, family: dict, n_layers: int, model: s
 
 def model_bits(family: dict) -> tuple[int, str]:
     """(bits, where they come from) of the quantized layers when --bits is not given: the model config's "bits"
-    (configs/NAME.json), else the engine's DEFAULT_BITS. A value other than 1 or 2 there is a ValueError naming
+    (configs/NAME.json), else the engine's DEFAULT_BITS. A value other than 1 or 2 there is an InputError naming
     the file and the field."""
     if "bits" not in family:
         return DEFAULT_BITS, "the engine's default"
     bits, name = family["bits"], family.get("name")
     if type(bits) is not int or bits not in (1, 2):
-        raise ValueError(f"{os.path.join(CONFIG_DIR, f'{name}.json')}: \"bits\" (the quantized layers' default) "
+        raise InputError(f"{os.path.join(CONFIG_DIR, f'{name}.json')}: \"bits\" (the quantized layers' default) "
                          f"must be 1 or 2, got {json.dumps(bits)}: fix that field of the model's config")
     return bits, f"configs/{name}.json"
 
@@ -126,14 +127,11 @@ def layer_policies(settings: MethodSettings, n_layers: int, family: dict) -> lis
         quant = settings.quant_layers
         if quant is None:
             quant = with_profile(settings, family, n_layers).quant_layers
-        bad = [i for i in quant if not 0 <= i < n_layers]
-        if bad:
-            raise ValueError(f"--quant-layers {bad} out of range: the model has {n_layers} layers")
+        settings.check_layers(n_layers, quant)
         names = ["quant" if i in set(quant) else "sparse" for i in range(n_layers)]
+    else:
+        settings.check_layers(n_layers)
     dense = set(settings.dense_layers or [])
-    bad = sorted(i for i in dense if not 0 <= i < n_layers)
-    if bad:
-        raise ValueError(f"dense layers {bad} out of range: the model has {n_layers} layers")
     return ["full" if i in dense else name for i, name in enumerate(names)]
 
 

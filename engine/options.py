@@ -6,6 +6,7 @@ import os
 
 import click
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.ui import UserError
 
 
@@ -130,7 +131,7 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
                        **rules)
     try:
         s.validate()
-    except ValueError as e:
+    except InputError as e:
         raise UserError(str(e)) from None
     return s
 
@@ -149,13 +150,13 @@ def check_for_model(settings_list, cfg, ctx: click.Context, family: dict) -> lis
         try:
             if s.method == "tailorkv" and "own_query_below" in given and s.own_query_below > 0 \
                     and not any(c is not None for c in (layer_profile(s, family) or {}).get("prediction_cos") or []):
-                raise ValueError(f"--own-query-below reads the layers' profiled q-hat cosines, and this model's layer "
+                raise InputError(f"--own-query-below reads the layers' profiled q-hat cosines, and this model's layer "
                                  f"profile has none: write one with `tailorkv profile --model {model} --out prof.json`"
                                  f" and pass --layer-profile prof.json")
             s = with_profile(s, family, cfg.n_layers, model)
             (s if "channels" in given else replace(s, channels=1)).check_model(cfg.head_dim, cfg.n_layers)
             checked.append(s)
-        except ValueError as e:
+        except InputError as e:
             raise UserError(str(e)) from None
     return checked
 
@@ -171,7 +172,7 @@ def plan_memory(settings, cfg, family: dict, ctx_len: int, limit: int | None, dt
     size = torch.empty((), dtype=dtype).element_size()
     try:
         settings, plan = plan_settings(settings, cfg, family, ctx_len, limit, size, chosen, batch)
-    except ValueError as e:
+    except InputError as e:
         raise UserError(str(e)) from None
     if plan is not None:
         ui.err.print(plan.message, style="dim" if plan.fits else "yellow", markup=False, highlight=False)
@@ -195,5 +196,5 @@ def model_defaults(settings, family: dict):
     from tailorkv.engine.methods import with_model_defaults
     try:
         return with_model_defaults(settings, family)
-    except ValueError as e:
+    except InputError as e:
         raise UserError(str(e)) from None

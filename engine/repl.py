@@ -100,7 +100,7 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = 
 def turn(con: Console, chat, text: str, max_new_tokens: int, stop: tuple[str, ...]):
     """One answer; returns its stats, or None when it failed (the history is kept either way)."""
     import torch
-    from tailorkv.engine.generate import ContextTooLong
+    from tailorkv.engine.errors import InputError
     eng = chat.engine  # on every error below, chat.send has already kept the history and repaired the cache
     try:
         _, stats = chat.send(text, max_new_tokens, stop, on_text=lambda s: con.out(s, end="", highlight=False))
@@ -116,6 +116,6 @@ def turn(con: Console, chat, text: str, max_new_tokens: int, stop: tuple[str, ..
         torch.cuda.empty_cache()
         err.print("[bold red]error:[/] the GPU ran out of memory in this turn: /reset, or restart with a lower "
                   "--ctx or --method tailorkv")
-    except (ContextTooLong, ValueError) as e:
+    except InputError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}")
     return None

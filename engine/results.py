@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from tailorkv.engine.errors import InputError
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -58,27 +60,27 @@ def write_json(path: str, obj: dict) -> None:
 
 
 def check_out(path: str, kind: str = "folder", flag: str = "--out") -> str:
-    """An output path checked before any work (a ValueError naming the cause and the fix): not empty, a folder
+    """An output path checked before any work (an InputError naming the cause and the fix): not empty, a folder
     (kind "folder") or a file name (kind "file") as asked, and creatable: its nearest existing parent a folder this
     process can write in."""
     if not path.strip():
-        raise ValueError(f"{flag} is empty: give a {kind} name")
+        raise InputError(f"{flag} is empty: give a {kind} name")
     if kind == "folder" and os.path.isfile(path):
-        raise ValueError(f"{flag} {path} is a file: give a folder")
+        raise InputError(f"{flag} {path} is a file: give a folder")
     if kind == "file" and (os.path.isdir(path) or path.endswith(("/", os.sep))):
-        raise ValueError(f"{flag} {path} is a folder: give a file name inside it, like "
+        raise InputError(f"{flag} {path} is a folder: give a file name inside it, like "
                          f"{os.path.join(path, 'results.json')}")
     parent = os.path.abspath(path if kind == "folder" else os.path.dirname(os.path.abspath(path)))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder: choose another path")
+        raise InputError(f"{flag} {path}: {parent} is a file, not a folder: choose another path")
     try:  # a file made and removed: what permissions, read-only mounts and /proc allow
         fd, probe = tempfile.mkstemp(dir=parent, prefix=".tailorkv-write-test-")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e}): choose another path") \
+        raise InputError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e}): choose another path") \
             from None
     return path
 
@@ -86,7 +88,7 @@ def check_out(path: str, kind: str = "folder", flag: str = "--out") -> str:
 def refuse_existing(path: str, overwrite: bool, also: str = "") -> None:
     """An earlier run's results are replaced only when the user says so (--overwrite)."""
     if os.path.exists(path) and not overwrite:
-        raise ValueError(f"{path} already holds an earlier run's results: pass --overwrite to replace them"
+        raise InputError(f"{path} already holds an earlier run's results: pass --overwrite to replace them"
                          f"{also}, or choose another --out")
 
 

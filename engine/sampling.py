@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch
 
+from tailorkv.engine.errors import InputError
+
 # repeat_penalty: llama.cpp's default until 2024 (and Ollama's); here it looks at the answer being written only,
 # so that copying a name from the conversation is not penalized (on SmolLM2 a penalty over the prompt turned
 # "Zorbak" into "Zabrak" in 7 of 8 seeds).
@@ -39,21 +41,21 @@ class SamplingParams:
     def validate(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+                raise InputError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature:g}")
+            raise InputError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature:g}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p:g}")
+            raise InputError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p:g}")
         if self.top_k < 0:
-            raise ValueError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
+            raise InputError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 <= self.min_p < 1:
-            raise ValueError(f"--min-p must be in [0, 1) (0 = off), got {self.min_p:g}")
+            raise InputError(f"--min-p must be in [0, 1) (0 = off), got {self.min_p:g}")
         if self.repeat_penalty <= 0:
-            raise ValueError(f"--repeat-penalty must be > 0 (1 = off), got {self.repeat_penalty:g}")
+            raise InputError(f"--repeat-penalty must be > 0 (1 = off), got {self.repeat_penalty:g}")
         if self.repeat_last_n < -1:
-            raise ValueError(f"--repeat-last-n must be >= -1 (0 = off, -1 = the whole answer), got {self.repeat_last_n}")
+            raise InputError(f"--repeat-last-n must be >= -1 (0 = off, -1 = the whole answer), got {self.repeat_last_n}")
         if self.seed is not None and not 0 <= self.seed < 2 ** 63:
-            raise ValueError(f"--seed must be in 0 .. 2^63 - 1, got {self.seed}")
+            raise InputError(f"--seed must be in 0 .. 2^63 - 1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, asdict
 
+from tailorkv.engine.errors import InputError
+from tailorkv.ops.select_rules import CHANNEL_RULES
+
 METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
 SELECT_MODES = ("channels", "sketch", "sketch-ahead")  # where a sparse layer's approximate scores come from
 SKETCH_BITS = (1, 2, 4)                 # the key sketch's precision
 PREDICT_WEIGHTS = ("bf16", "fp8")       # the W_q copy that the one-layer-early query prediction reads
 SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
-CHANNEL_RULES = ("paper", "max", "l2")   # how the r channels per KV head are chosen (ops/sparse_select.py)
 DEFAULT_BITS = 1  # quantized layers' bits when neither --bits nor the model's config ("bits") names them
 
 # The methods each knob changes; under the others it has no effect (the CLI refuses it there).
@@ -95,66 +97,73 @@ class MethodSettings:
 
     def validate(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"unknown method '{self.method}'; choose one of {', '.join(METHODS)}")
+            raise InputError(f"unknown method '{self.method}'; choose one of {', '.join(METHODS)}")
         if self.bits not in (None, 1, 2):
-            raise ValueError(f"--bits must be 1 or 2, got {self.bits}")
+            raise InputError(f"--bits must be 1 or 2, got {self.bits}")
         if self.sink < 0 or self.recent < 0:
-            raise ValueError(f"--sink and --recent must be >= 0, got {self.sink} and {self.recent}")
+            raise InputError(f"--sink and --recent must be >= 0, got {self.sink} and {self.recent}")
         if self.method == "tailorkv" and self.budget < self.sink + self.recent:
-            raise ValueError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}: "
+            raise InputError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}: "
                              f"raise --budget or lower --sink / --recent")
         if self.method == "streamingllm" and self.budget <= self.sink:
-            raise ValueError(f"--budget {self.budget} must exceed --sink {self.sink} under streamingllm: raise "
+            raise InputError(f"--budget {self.budget} must exceed --sink {self.sink} under streamingllm: raise "
                              f"--budget or lower --sink")
         if self.method == "snapkv" and not 1 <= self.snap_window < self.budget:
-            raise ValueError(f"--budget {self.budget} must exceed snapkv's observation window ({self.snap_window} "
+            raise InputError(f"--budget {self.budget} must exceed snapkv's observation window ({self.snap_window} "
                              f"tokens): raise --budget")
         if self.method == "quest" and not 1 <= self.page <= self.budget:
-            raise ValueError(f"--budget {self.budget} must be at least one quest page ({self.page} tokens): raise "
+            raise InputError(f"--budget {self.budget} must be at least one quest page ({self.page} tokens): raise "
                              f"--budget")
         if self.channels < 1:
-            raise ValueError(f"--channels must be at least 1, got {self.channels}: e.g. the paper's 12")
+            raise InputError(f"--channels must be at least 1, got {self.channels}: e.g. the paper's 12")
         if self.select not in SELECT_MODES:
-            raise ValueError(f"--select {self.select}: use {', '.join(SELECT_MODES)}")
+            raise InputError(f"--select {self.select}: use {', '.join(SELECT_MODES)}")
         if self.sketch_bits not in SKETCH_BITS:
-            raise ValueError(f"--sketch-bits must be 1, 2 or 4, got {self.sketch_bits}")
+            raise InputError(f"--sketch-bits must be 1, 2 or 4, got {self.sketch_bits}")
         if self.select_rule not in SELECT_RULES:
-            raise ValueError(f"--select-rule {self.select_rule}: use {', '.join(SELECT_RULES)}")
+            raise InputError(f"--select-rule {self.select_rule}: use {', '.join(SELECT_RULES)}")
         if self.channel_rule not in CHANNEL_RULES:
-            raise ValueError(f"--channel-rule {self.channel_rule}: use {', '.join(CHANNEL_RULES)}")
+            raise InputError(f"--channel-rule {self.channel_rule}: use {', '.join(CHANNEL_RULES)}")
         if not 0.0 <= self.own_query_below <= 1.0:
-            raise ValueError(f"--own-query-below must be a cosine in [0, 1] (0 = never), got {self.own_query_below}")
+            raise InputError(f"--own-query-below must be a cosine in [0, 1] (0 = never), got {self.own_query_below}")
         if self.predict_ahead < 1:
-            raise ValueError(f"--predict-ahead must be at least 1 (the layer before), got {self.predict_ahead}")
+            raise InputError(f"--predict-ahead must be at least 1 (the layer before), got {self.predict_ahead}")
         if self.predict_weights not in PREDICT_WEIGHTS:
-            raise ValueError(f"--predict-weights {self.predict_weights}: use {', '.join(PREDICT_WEIGHTS)}")
+            raise InputError(f"--predict-weights {self.predict_weights}: use {', '.join(PREDICT_WEIGHTS)}")
         if self.dense_layers is not None and any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
-            raise ValueError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
+            raise InputError(f"dense layers {self.dense_layers}: give layer numbers >= 0")
 
     def check_model(self, head_dim: int, n_layers: int) -> None:
         """Checks that need the model's shape (tailorkv's knobs; quant_layers as its layer profile resolved them)."""
         if self.method != "tailorkv":
             return
         if self.channels > head_dim:
-            raise ValueError(f"--channels {self.channels} is more than the model's head dimension ({head_dim}): "
+            raise InputError(f"--channels {self.channels} is more than the model's head dimension ({head_dim}): "
                              f"use at most {head_dim}")
         bits = self.bits or DEFAULT_BITS
         err = quant_shape_error(head_dim, bits, self.group)
         if self.quant_layers and err:
             fixes = (["--bits 2"] if bits == 1 and not quant_shape_error(head_dim, 2, self.group) else []) + \
                 ["--quant-layers ''", "another --method"]
-            raise ValueError(f"tailorkv's {bits}-bit layers {err}: use {' or '.join(fixes)}")
+            raise InputError(f"tailorkv's {bits}-bit layers {err}: use {' or '.join(fixes)}")
         per_word = 32 // self.sketch_bits  # the sketch packs a token's channels in 32-bit words
         if self.sketched and head_dim % per_word:
-            raise ValueError(f"--select {self.select}'s {self.sketch_bits}-bit sketch packs {per_word} channels per "
+            raise InputError(f"--select {self.select}'s {self.sketch_bits}-bit sketch packs {per_word} channels per "
                              f"word, and this model's head dimension ({head_dim}) is not a multiple of {per_word}: "
                              f"use --select channels" + (" or --sketch-bits 4" if head_dim % 8 == 0 else ""))
-        bad = [i for i in self.quant_layers or [] if not 0 <= i < n_layers]
-        if bad:
-            raise ValueError(f"--quant-layers {bad[0]} is out of range: the model has layers 0..{n_layers - 1}")
+        self.check_layers(n_layers)
         if self.predict_ahead >= n_layers:
-            raise ValueError(f"--predict-ahead {self.predict_ahead} reaches before the first layer: the model has "
+            raise InputError(f"--predict-ahead {self.predict_ahead} reaches before the first layer: the model has "
                              f"{n_layers} layers, use at most {n_layers - 1}")
+
+    def check_layers(self, n_layers: int, quant_layers: list[int] | None = None) -> None:
+        """Layer numbers within the model's: tailorkv's quantized layers (`quant_layers`, else the settings'), and
+        any method's dense layers."""
+        quant = (self.quant_layers if quant_layers is None else quant_layers) if self.method == "tailorkv" else []
+        for flag, layers in (("--quant-layers", quant), ("dense layer", self.dense_layers)):
+            bad = sorted(i for i in layers or [] if not 0 <= i < n_layers)
+            if bad:
+                raise InputError(f"{flag} {bad[0]} is out of range: the model has layers 0..{n_layers - 1}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,6 +13,8 @@ import time
 import click
 from rich.console import Console
 
+from tailorkv.engine.errors import InputError
+
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per message, even in logs
 MIN_CTX = 16
 
@@ -71,10 +73,9 @@ def friendly(fn):
     def wrapper(*a, **kw):
         import torch
         from tailorkv.models.errors import LoadError
-        from tailorkv.engine.generate import ContextTooLong
         try:
             return fn(*a, **kw)
-        except (LoadError, ContextTooLong, ValueError) as e:
+        except (LoadError, InputError) as e:
             raise UserError(str(e)) from None
         except torch.cuda.OutOfMemoryError:
             raise UserError("the GPU ran out of memory: lower --ctx, use --method tailorkv, "
@@ -91,7 +92,7 @@ def friendly(fn):
 
 
 def parse_length(text: str, flag: str = "--ctx") -> int:
-    """'8192', '8k', '0.5k', '1m' -> tokens (k = 1024); a ValueError naming `flag` otherwise."""
+    """'8192', '8k', '0.5k', '1m' -> tokens (k = 1024); an InputError naming `flag` otherwise."""
     t = text.strip().lower()
     scale = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
     try:
@@ -99,7 +100,7 @@ def parse_length(text: str, flag: str = "--ctx") -> int:
     except ValueError:
         n = -1
     if not 0 <= n < 2 ** 62:  # also inf, nan
-        raise ValueError(f"{flag} '{text}' is not a length: write e.g. 8192, 8k or 128k")
+        raise InputError(f"{flag} '{text}' is not a length: write e.g. 8192, 8k or 128k")
     return int(n)
 
 
@@ -298,7 +299,7 @@ def fmt_bytes(n: float) -> str:
 def parse_bytes(text: str, flag: str = "--gpu-mem-limit") -> int:
     """'24GiB', '24GB', '24G', '512MiB', '1e9' -> bytes (G/M/K without 'B' mean binary units)."""
     import re
-    bad = ValueError(f"{flag} '{text}' is not a size: write e.g. 24GiB, 24GB or 512MiB")
+    bad = InputError(f"{flag} '{text}' is not a size: write e.g. 24GiB, 24GB or 512MiB")
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text or "")
     try:
         num = float(m.group(1)) if m else math.nan

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, asdict
 
+from tailorkv.models.errors import LoadError
+
 
 @dataclass
 class ModelConfig:
@@ -26,7 +28,8 @@ class ModelConfig:
         if not self.head_dim:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise LoadError(f"the model's config has n_heads={self.n_heads}, not a multiple of n_kv_heads="
+                            f"{self.n_kv_heads}: the config is inconsistent; restore it")
 
     @property
     def group(self) -> int:

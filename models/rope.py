@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from tailorkv.models.errors import UnsupportedModel
 from tailorkv.ops.fused import rope_
 
 
@@ -22,7 +23,8 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         mid = (1 - smooth) * inv / factor + smooth * inv
         inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
     elif kind not in (None, "default"):
-        raise ValueError(f"unsupported rope scaling '{kind}' (supported: linear, llama3)")
+        raise UnsupportedModel(f"rope scaling '{kind}' is not supported (only linear and llama3): use a model "
+                               f"without it")
     return inv.float()
 
 

@@ -26,10 +26,8 @@ from tailorkv.ops import sketch_scores_cuda, sparse_select_cuda, topk_cuda
 from tailorkv.ops.dispatch import op, register_kernel
 from tailorkv.ops.quant import dequantize_sketch
 from tailorkv.ops.quant_attention import CHUNK
+from tailorkv.ops.select_rules import CHANNEL_RULES, COMBINE_RULES
 from tailorkv.ops.topk_carry import TopKCarry
-
-CHANNEL_RULES = ("paper", "max", "l2")
-COMBINE_RULES = ("sum", "lse", "psum")
 
 
 def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:

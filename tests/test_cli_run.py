@@ -226,6 +226,29 @@ def test_a_missing_file_raised_inside_a_command_names_the_fix(tmp_path):
         command()
 
 
+def test_only_the_users_input_errors_become_one_line():
+    """An InputError (a flag, a file, a limit) is the user's: one line. A plain ValueError from inside the engine
+    is a bug, and keeps its traceback rather than passing for the user's mistake."""
+    from tailorkv.engine.errors import InputError
+    from tailorkv.engine.generate import ContextTooLong
+    from tailorkv.engine.ui import UserError, friendly
+
+    def raising(exc):
+        @friendly
+        def command():
+            raise exc
+        return command
+
+    for exc in (InputError("--ctx 'x' is not a length"), ContextTooLong("the prompt needs 9 tokens")):
+        with pytest.raises(UserError, match=str(exc)):
+            raising(exc)()
+    with pytest.raises(ValueError, match="an internal contract") as info:
+        raising(ValueError("an internal contract"))()
+    assert not isinstance(info.value, UserError)
+    res = call("run", "--temp", "-1", "-p", "hi")  # SamplingParams.validate, through the real command
+    assert_clean_error(res, "--temperature must be >= 0")
+
+
 def test_a_model_given_by_path_takes_its_layer_profile_from_a_flag(tmp_path):
     """A .gguf (or HF folder) has no shipped profile: tailorkv says how to get one before loading, and runs with
     --layer-profile (here the shipped SmolLM2 profile, for the same weights)."""

@@ -25,7 +25,7 @@ def test_paper_value_without_profile(tmp_path, monkeypatch):
 def test_flag_overrides_and_range_check():
     fam = {"name": "smollm2-135m", "profile": "profiles/smollm2-135m.json"}
     assert methods.layer_policies(MethodSettings("tailorkv", quant_layers=[1]), 3, fam) == ["sparse", "quant", "sparse"]
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match=r"--quant-layers 5 is out of range: the model has layers 0..2"):
         methods.layer_policies(MethodSettings("tailorkv", quant_layers=[5]), 3, fam)
     assert methods.layer_policies(MethodSettings("quest"), 2, fam) == ["quest", "quest"]
 
@@ -36,7 +36,7 @@ def test_dense_layers_use_the_full_policy():
     s = MethodSettings("tailorkv", quant_layers=[0], dense_layers=[2])
     assert methods.layer_policies(s, 3, fam) == ["quant", "sparse", "full"]
     assert methods.layer_policies(MethodSettings("snapkv", dense_layers=[]), 2, fam) == ["snapkv", "snapkv"]
-    with pytest.raises(ValueError, match=r"dense layers \[3\] out of range"):
+    with pytest.raises(ValueError, match=r"dense layer 3 is out of range: the model has layers 0..2"):
         methods.layer_policies(MethodSettings("snapkv", dense_layers=[0, 3]), 3, fam)
     with pytest.raises(ValueError, match="layer numbers >= 0"):
         MethodSettings("snapkv", dense_layers=[-1]).validate()

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.results import percentile
 from tailorkv.engine.methods import build_cache
 from tailorkv.engine.generate import sync
@@ -61,19 +62,19 @@ class BenchPlan:
 
     def validate(self, max_context: int | None = None) -> None:
         if not self.methods:
-            raise ValueError("--methods is empty: name at least one method, e.g. full")
+            raise InputError("--methods is empty: name at least one method, e.g. full")
         if not self.ctxs:
-            raise ValueError("--ctx is empty: give at least one context length, e.g. 8k")
+            raise InputError("--ctx is empty: give at least one context length, e.g. 8k")
         for flag, n, least in (("--decode-steps", self.decode_steps, 1), ("--batch", self.batch, 1),
                                ("--warmup", self.warmup, 0)):
             if n < least:
-                raise ValueError(f"{flag} must be at least {least}, got {n}: e.g. {flag} {max(least, 1)}")
+                raise InputError(f"{flag} must be at least {least}, got {n}: e.g. {flag} {max(least, 1)}")
         for ctx in self.ctxs:
             if self.prompt_len(ctx) < 1:
-                raise ValueError(f"--ctx {ctx} leaves no room for a prompt after {self.warmup} warm-up and "
+                raise InputError(f"--ctx {ctx} leaves no room for a prompt after {self.warmup} warm-up and "
                                  f"{self.decode_steps} decode steps: raise --ctx or lower --decode-steps")
             if max_context is not None and ctx > max_context:
-                raise ValueError(f"--ctx {ctx} is beyond what the model supports ({max_context} tokens): lower --ctx")
+                raise InputError(f"--ctx {ctx} is beyond what the model supports ({max_context} tokens): lower --ctx")
 
 
 # --- sizes and environment ---------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine import ui
 from tailorkv.engine.settings import MethodSettings
 
@@ -69,26 +70,26 @@ class Budget:
 def parse_budget(text: str) -> Budget:
     """'3%' or '0.03' -> a fraction of the length; '1024' -> tokens."""
     t = text.strip().lower()
-    bad = ValueError(f"--budgets '{text}' is not a budget: write a share of the length (3% or 0.03) or a number "
+    bad = InputError(f"--budgets '{text}' is not a budget: write a share of the length (3% or 0.03) or a number "
                      f"of tokens (192, 1024)")
     try:
         if t.endswith("%") or "." in t:
             frac = float(t[:-1]) / 100 if t.endswith("%") else float(t)
             if not 0 < frac <= 1:
-                raise ValueError(f"--budgets {text}: a share of the length must be in (0, 100%]")
+                raise InputError(f"--budgets {text}: a share of the length must be in (0, 100%]")
             return Budget(f"{frac * 100:g}%", frac=frac)
         tokens = int(t)
     except ValueError as e:
         raise (e if str(e).startswith("--budgets " + text) else bad) from None
     if tokens < 2:
-        raise ValueError(f"--budgets {text}: a budget needs at least 2 tokens")
+        raise InputError(f"--budgets {text}: a budget needs at least 2 tokens")
     return Budget(str(tokens), tokens=tokens)
 
 
 def parse_budgets(text: str) -> list[Budget]:
     parts = ui.split_list(text)
     if not parts:
-        raise ValueError("--budgets is empty: give e.g. 1%,3%,6%,12%,25% or 1024")
+        raise InputError("--budgets is empty: give e.g. 1%,3%,6%,12%,25% or 1024")
     out: list[Budget] = []
     for p in parts:
         b = parse_budget(p)
@@ -105,7 +106,7 @@ def split_budget(budget: int, sink: int, recent: int, rule: str) -> tuple[int, i
         edge = max(1, round(budget / 16))
         return edge, edge
     if rule != "shrink":
-        raise ValueError(f"--split {rule}: use {' or '.join(SPLITS)}")
+        raise InputError(f"--split {rule}: use {' or '.join(SPLITS)}")
     half = budget // 2
     if sink + recent > half:
         total = sink + recent
@@ -117,7 +118,7 @@ def split_budget(budget: int, sink: int, recent: int, rule: str) -> tuple[int, i
 def budget_from_frac(frac: float, length: int, sink: int, recent: int) -> tuple[int, int, int]:
     """(budget, sink, recent) at `length` for --budget-frac F with the shrink split."""
     if not 0 < frac <= 1:
-        raise ValueError(f"--budget-frac must be in (0, 1], got {frac}")
+        raise InputError(f"--budget-frac must be in (0, 1], got {frac}")
     budget = max(2, round(frac * length))
     return (budget, *split_budget(budget, sink, recent, "shrink"))
 
@@ -140,7 +141,7 @@ def settings_for(base: MethodSettings, method: str, length: int, budget: Budget 
     """The settings of `method` at `length` in a budget group: the shared knobs of `base` with the budget's
     tokens and split (the paper's budgets bring their own sink, recent and r), under `protocol` (PROTOCOLS)."""
     if protocol not in PROTOCOLS:
-        raise ValueError(f"--protocol {protocol}: use {', '.join(PROTOCOLS)}")
+        raise InputError(f"--protocol {protocol}: use {', '.join(PROTOCOLS)}")
     s = dataclasses.replace(base, method=method, extra=dict(base.extra))
     if budget is not None and budget.kind != "knobs":
         s.budget = budget.at(length, base)

@@ -16,6 +16,8 @@ import time
 import click
 from rich.markup import escape
 
+from tailorkv.engine.errors import InputError
+
 DEFAULT_METHODS = "full,tailorkv,streamingllm,snapkv,quest"
 SAVE_EVERY_S = 30.0  # partial eval.json rewrites during a run
 
@@ -137,15 +139,15 @@ def register(main: click.Group) -> list[click.Command]:
 
 def make_plan(knobs: dict, methods, lengths, samples, tasks, seed, budgets, budget_frac, split, protocol,
               max_new_tokens, question, fidelity_tokens):
-    """The EvalPlan of the command's options (ValueError naming the option when one is wrong)."""
+    """The EvalPlan of the command's options (an InputError naming the option when one is wrong)."""
     from tailorkv.engine import options
     from tailorkv.engine.evaluation import budgets as B, plan as P
     if budgets is not None and budget_frac is not None:
-        raise ValueError("--budgets and --budget-frac both given: use one (--budgets 3% is --budget-frac 0.03)")
+        raise InputError("--budgets and --budget-frac both given: use one (--budgets 3% is --budget-frac 0.03)")
     groups = B.parse_budgets(budgets) if budgets is not None else None
     if budget_frac is not None:
         if not 0 < budget_frac <= 1:
-            raise ValueError(f"--budget-frac must be in (0, 1], got {budget_frac}")
+            raise InputError(f"--budget-frac must be in (0, 1], got {budget_frac}")
         groups = [B.Budget(f"{budget_frac * 100:g}%", frac=budget_frac)]
     plan = P.EvalPlan(lengths=P.parse_lengths(lengths), methods=P.parse_methods(methods), tasks=P.parse_tasks(tasks),
                       samples=samples, seed=seed, base=options.settings_from(method="full", **knobs), budgets=groups,
@@ -206,7 +208,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
         elif os.path.exists(done_path):
             try:
                 prev = M.read_results(done_path)
-            except ValueError as e:
+            except InputError as e:
                 raise ui.UserError(f"{e}: start over with --overwrite instead of --resume") from None
     dev = ui.pick_device(device)
     cfg, family = options_mod.peek(model, weights, random_weights)
@@ -323,7 +325,7 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
     if os.path.exists(target) and not overwrite:  # an earlier merge is replaced; a whole run's results are not
         try:
             merged_before = bool(M.read_results(target).get("merged_from"))
-        except ValueError:
+        except InputError:
             merged_before = False
         if not merged_before:
             raise ui.UserError(f"{target} holds results that no merge wrote: pass --overwrite to replace them, "
@@ -337,8 +339,8 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
         try:
             res = M.read_results(f)
             if not isinstance(res.get("shard"), dict):
-                raise ValueError(f"{f} is not a shard file (no \"shard\" entry)")
-        except ValueError as e:
+                raise InputError(f"{f} is not a shard file (no \"shard\" entry)")
+        except InputError as e:
             raise ui.UserError(f"{e}: rerun that shard (tailorkv eval --shard i/n --out {folder} --overwrite)") \
                 from None
         shards.append((os.path.basename(f), res))

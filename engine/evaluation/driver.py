@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.evaluation.plan import MARGIN, EvalPlan, length_label
 from tailorkv.engine.evaluation.prompts import prompt_ids
 from tailorkv.engine.evaluation.scoring import score
@@ -245,9 +246,9 @@ def check_methods(loaded, plan: EvalPlan) -> None:
             s = plan.settings(m, n, b)
             try:
                 build_cache(loaded, s, 64)
-            except ValueError as e:
+            except InputError as e:
                 where = "" if b is None else f" budget {b}"
-                raise ValueError(f"{m} at length {length_label(n)}{where} ({s.budget} tokens = sink {s.sink} + "
+                raise InputError(f"{m} at length {length_label(n)}{where} ({s.budget} tokens = sink {s.sink} + "
                                  f"top-K {s.topk} + recent {s.recent}): {e}") from None
     if plan.samples:
         from tailorkv.models.loader import require_tokenizer

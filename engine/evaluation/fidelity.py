@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.results import percentile
 from tailorkv.engine.evaluation.haystack import Filler, essay_units
 
@@ -123,7 +124,7 @@ def run_fidelity(loaded, settings, ids: list[int], n_steps: int, recall: bool = 
     say = on_phase or (lambda s: None)
     length = len(ids) - 1
     if not 0 < n_steps < length:
-        raise ValueError(f"--fidelity-tokens {n_steps} must be between 1 and the length - 1 ({length - 1})")
+        raise InputError(f"--fidelity-tokens {n_steps} must be between 1 and the length - 1 ({length - 1})")
     prefix = length - n_steps
     max_len = length + 16
     ref = Engine(loaded, build_cache(loaded, MethodSettings(method="full"), max_len))

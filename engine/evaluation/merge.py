@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shlex
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.evaluation.plan import EvalPlan
 from tailorkv.engine.evaluation.summary import results
 
@@ -11,30 +12,30 @@ SAME_KEYS = ("schema", "kind", "eval", "settings", "layer_policies", "suites_has
 
 
 def merge_shards(shards: list[tuple[str, dict]], partial: bool = False) -> tuple[dict, list[str]]:
-    """[(file name, shard results)] -> (merged results, warnings). Raises ValueError when the shards do not
+    """[(file name, shard results)] -> (merged results, warnings). Raises InputError when the shards do not
     belong to one plan, overlap, or leave items out (partial: items left out are a warning, the merged results
     say complete: false and every table cell counts the samples it averages)."""
     if not shards:
-        raise ValueError("no eval.shard-*-of-*.json files to merge")
+        raise InputError("no eval.shard-*-of-*.json files to merge")
     name0, first = shards[0]
     count = first["shard"]["count"] if first.get("shard") else None
     if count is None:
-        raise ValueError(f"{name0} is not a shard file (no 'shard' entry)")
+        raise InputError(f"{name0} is not a shard file (no 'shard' entry)")
     warnings: list[str] = []
     for name, res in shards[1:]:
         for key in SAME_KEYS:
             if res.get(key) != first.get(key):
-                raise ValueError(f"{name} and {name0} differ in '{key}': they are not shards of one run")
+                raise InputError(f"{name} and {name0} differ in '{key}': they are not shards of one run")
         if (res.get("model") or {}).get("name") != (first.get("model") or {}).get("name"):
-            raise ValueError(f"{name} and {name0} ran different models")
+            raise InputError(f"{name} and {name0} ran different models")
         if res["shard"]["count"] != count:
-            raise ValueError(f"{name} is one of {res['shard']['count']} shards, {name0} one of {count}")
+            raise InputError(f"{name} is one of {res['shard']['count']} shards, {name0} one of {count}")
     got = sorted(res["shard"]["index"] for _, res in shards)
     if len(set(got)) != len(got):
-        raise ValueError(f"shard numbers repeat: {got}")
+        raise InputError(f"shard numbers repeat: {got}")
     missing = sorted(set(range(count)) - set(got))
     if missing and not partial:
-        raise ValueError(f"shards {missing} of {count} are missing: run them (--shard i/{count}), or merge the "
+        raise InputError(f"shards {missing} of {count} are missing: run them (--shard i/{count}), or merge the "
                          f"others with --partial")
     if missing:
         warnings.append(f"partial merge: shards {missing} of {count} wrote no file")
@@ -43,13 +44,13 @@ def merge_shards(shards: list[tuple[str, dict]], partial: bool = False) -> tuple
     for name, res in shards:
         for r in res["records"] + res["fidelity"]:
             if r["index"] in seen:
-                raise ValueError(f"record {r['index']} (item {r['item']}) appears in {seen[r['index']]} and {name}")
+                raise InputError(f"record {r['index']} (item {r['item']}) appears in {seen[r['index']]} and {name}")
             seen[r["index"]] = name
             records.append(r)
     keys = plan.record_keys()
     left = sorted(set(range(len(keys))) - set(seen))
     if left and not partial:
-        raise ValueError(f"{len(left)} records have no result (first: item {keys[left[0]][0]}): a shard did not "
+        raise InputError(f"{len(left)} records have no result (first: item {keys[left[0]][0]}): a shard did not "
                          f"finish; rerun it with --resume, or merge what finished with --partial")
     if left:
         items = sorted({keys[i][0] for i in left})
@@ -80,14 +81,14 @@ def without_shard(command: str) -> str:
 def resumable_records(prev: dict, fresh: dict, name: str, plan: EvalPlan) -> list[dict]:
     """The records of the finished items of an earlier results file `prev` of the same run as `fresh` (an empty
     results dict of the run about to start): items whose every record is there and 'ok' (an item with a
-    failed or missing record runs again whole). ValueError when `prev` belongs to another run."""
+    failed or missing record runs again whole). InputError when `prev` belongs to another run."""
     fresh = json.loads(json.dumps(fresh, default=str))  # tuples -> lists, as read back from a file
     for key in SAME_KEYS + ("shard",):
         if prev.get(key) != fresh.get(key):
-            raise ValueError(f"--resume: {name} holds another run (its '{key}' differs): use the command that "
+            raise InputError(f"--resume: {name} holds another run (its '{key}' differs): use the command that "
                              f"wrote it, or another --out")
     if (prev.get("model") or {}).get("name") != (fresh.get("model") or {}).get("name"):
-        raise ValueError(f"--resume: {name} ran another model: use another --out")
+        raise InputError(f"--resume: {name} ran another model: use another --out")
     want: dict = {}
     for i, key in enumerate(plan.record_keys()):
         want.setdefault(key[0], set()).add(i)
@@ -102,14 +103,14 @@ RESULT_KEYS = ("eval", "records", "fidelity", "env", "command", "args", "model")
 
 
 def read_results(path: str) -> dict:
-    """An eval.json or shard file; a ValueError saying why it is not one (unreadable, not JSON, fields missing)."""
+    """An eval.json or shard file; an InputError saying why it is not one (unreadable, not JSON, fields missing)."""
     try:
         with open(path, "rb") as f:
             res = json.loads(f.read().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not an eval results file (not JSON: {e})") from None
+        raise InputError(f"{path} is not an eval results file (not JSON: {e})") from None
     missing = [k for k in RESULT_KEYS if k not in res] if isinstance(res, dict) else list(RESULT_KEYS)
     if missing:
-        raise ValueError(f"{path} is not an eval results file (no {', '.join(missing)})")
+        raise InputError(f"{path} is not an eval results file (no {', '.join(missing)})")
     return res
 

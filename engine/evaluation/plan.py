@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine import ui
 from tailorkv.engine.evaluation.budgets import (BUDGET_CONVENTION, EXACT_METHODS, KNOBS, PROTOCOL_CONVENTION,
                                                PROTOCOLS, SPLITS, Budget, settings_for)
@@ -43,17 +44,17 @@ DEFAULT_MAX_NEW = 64        # a task not in the table
 
 # ------------------------------------------------------------------------------------------------ parsing
 def parse_length(text: str) -> int:
-    """'4096', '4k', '0.5k', '1m' -> tokens (k = 1024). ValueError naming --lengths otherwise."""
+    """'4096', '4k', '0.5k', '1m' -> tokens (k = 1024). InputError naming --lengths otherwise."""
     n = ui.parse_length(text, "--lengths")
     if n < 64:
-        raise ValueError(f"--lengths: {text} is too short; use at least 64 tokens")
+        raise InputError(f"--lengths: {text} is too short; use at least 64 tokens")
     return n
 
 
 def parse_lengths(text: str) -> list[int]:
     parts = ui.split_list(text)
     if not parts:
-        raise ValueError("--lengths is empty: give at least one length, e.g. 4k")
+        raise InputError("--lengths is empty: give at least one length, e.g. 4k")
     out = []
     for p in parts:
         n = parse_length(p)
@@ -65,10 +66,10 @@ def parse_lengths(text: str) -> list[int]:
 def parse_methods(text: str) -> list[str]:
     names = ui.split_list(text)
     if not names:
-        raise ValueError(f"--methods is empty: name at least one of {', '.join(METHODS)}")
+        raise InputError(f"--methods is empty: name at least one of {', '.join(METHODS)}")
     bad = [m for m in names if m not in METHODS]
     if bad:
-        raise ValueError(f"unknown method '{bad[0]}' in --methods: choose from {', '.join(METHODS)}")
+        raise InputError(f"unknown method '{bad[0]}' in --methods: choose from {', '.join(METHODS)}")
     return names
 
 
@@ -76,7 +77,7 @@ def parse_tasks(text: str | None) -> list[str]:
     names = ui.split_list(text) or list(TASKS)
     bad = [t for t in names if t not in TASKS]
     if bad:
-        raise ValueError(f"unknown task '{bad[0]}' in --tasks: choose from {', '.join(TASKS)}")
+        raise InputError(f"unknown task '{bad[0]}' in --tasks: choose from {', '.join(TASKS)}")
     return names
 
 
@@ -87,9 +88,9 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
-        raise ValueError(f"--shard '{text}' is not i/n: write e.g. 0/4 (shards 0/4 .. 3/4)") from None
+        raise InputError(f"--shard '{text}' is not i/n: write e.g. 0/4 (shards 0/4 .. 3/4)") from None
     if n < 1 or not 0 <= i < n:
-        raise ValueError(f"--shard {text}: need 0 <= i < n, e.g. 0/4 .. 3/4")
+        raise InputError(f"--shard {text}: need 0 <= i < n, e.g. 0/4 .. 3/4")
     return i, n
 
 
@@ -123,34 +124,34 @@ class EvalPlan:
 
     def validate(self) -> None:
         if not self.lengths:
-            raise ValueError("--lengths is empty: give at least one length, e.g. 4k")
+            raise InputError("--lengths is empty: give at least one length, e.g. 4k")
         if not self.methods:
-            raise ValueError("--methods is empty: name at least one, e.g. --methods full,tailorkv")
+            raise InputError("--methods is empty: name at least one, e.g. --methods full,tailorkv")
         if self.samples < 0:
-            raise ValueError(f"--samples must be 0 or more, got {self.samples}: e.g. --samples 20")
+            raise InputError(f"--samples must be 0 or more, got {self.samples}: e.g. --samples 20")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}: or leave it out "
+            raise InputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}: or leave it out "
                              f"(each task's own)")
         if self.fidelity_tokens < 0:
-            raise ValueError(f"--fidelity-tokens must be 0 (off) or more, got {self.fidelity_tokens}: e.g. "
+            raise InputError(f"--fidelity-tokens must be 0 (off) or more, got {self.fidelity_tokens}: e.g. "
                              f"--fidelity-tokens 64")
         if self.samples == 0 and not self.fidelity_tokens:
-            raise ValueError("nothing to do: --samples 0 and no --fidelity-tokens: give one of them, e.g. --samples 20")
+            raise InputError("nothing to do: --samples 0 and no --fidelity-tokens: give one of them, e.g. --samples 20")
         if self.question not in QUESTION_PLACEMENTS:
-            raise ValueError(f"--question {self.question}: use {' or '.join(QUESTION_PLACEMENTS)}")
+            raise InputError(f"--question {self.question}: use {' or '.join(QUESTION_PLACEMENTS)}")
         if self.split not in SPLITS:
-            raise ValueError(f"--split {self.split}: use {' or '.join(SPLITS)}")
+            raise InputError(f"--split {self.split}: use {' or '.join(SPLITS)}")
         if self.protocol not in PROTOCOLS:
-            raise ValueError(f"--protocol {self.protocol}: use {', '.join(PROTOCOLS)}")
+            raise InputError(f"--protocol {self.protocol}: use {', '.join(PROTOCOLS)}")
         for n in self.lengths:
             if self.fidelity_tokens and self.fidelity_tokens >= n:
-                raise ValueError(f"--fidelity-tokens {self.fidelity_tokens} must be smaller than the length {n}")
+                raise InputError(f"--fidelity-tokens {self.fidelity_tokens} must be smaller than the length {n}")
         for n in self.lengths:
             for b, m in self.runs():
                 try:
                     self.settings(m, n, b)
-                except ValueError as e:
-                    raise ValueError(f"{m} at length {length_label(n)}{'' if b is None else f' budget {b}'}: {e}") \
+                except InputError as e:
+                    raise InputError(f"{m} at length {length_label(n)}{'' if b is None else f' budget {b}'}: {e}") \
                         from None
 
     def max_new(self, task: str) -> int:

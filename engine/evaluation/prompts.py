@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Iterable
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.evaluation.tasks import Sample, make_suite
 from tailorkv.models.tokenizer import bos_prefix
 
@@ -24,7 +25,7 @@ def user_message(sample: Sample, question: str = "after") -> str:
         return sample.context + sample.question
     if question == "both":
         return sample.question.strip() + "\n\n" + sample.context + sample.question
-    raise ValueError(f"--question {question}: use after or both")
+    raise InputError(f"--question {question}: use after or both")
 
 
 def render_prompt(tokenizer, sample: Sample, question: str = "after") -> str:
@@ -56,7 +57,7 @@ def build_suites(tokenizer, plan, lengths: Iterable[int] | None = None) -> dict[
             overhead = len(prompt_ids(tokenizer, probe, plan.question)) - probe.n_tokens
             target = room - overhead
             if target < 16:
-                raise ValueError(f"--lengths {n} leaves no room for {task}: the prompt template and "
+                raise InputError(f"--lengths {n} leaves no room for {task}: the prompt template and "
                                  f"{plan.max_new(task)} new tokens need more; use a longer length")
             suite += make_suite(tokenizer, target, plan.samples, plan.seed, tasks=[task])
         out[n] = suite

@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tailorkv.engine.errors import InputError
 from .haystack import Filler, WordPool, filler_units
 
 TOLERANCE = 0.02  # |n_tokens - target| <= TOLERANCE * target
@@ -63,7 +64,7 @@ def _fit(measure: Callable[[int], int], target: int, task: str) -> int:
     t0 = measure(0)
     if t0 >= target:
         if t0 > target * (1 + TOLERANCE):
-            raise ValueError(f"{task}: the prompt needs {t0} tokens without any filler, more than the "
+            raise InputError(f"{task}: the prompt needs {t0} tokens without any filler, more than the "
                              f"target {target}; ask for a longer length")
         return 0
     lo, hi = 0, 64

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.cache import LayerCache, LayerSpec, ModelCache
 from tailorkv.engine.runner import Runner
 from tailorkv.ops.attention import causal_attention, group_probs
@@ -140,11 +141,11 @@ def quant_layers_of(p: list[float], tau: float) -> list[int]:
 
 def validate(n_q: int, top: float, tau: float) -> None:
     if not 0.0 < tau < 1.0:
-        raise ValueError(f"--tau must lie strictly between 0 and 1, got {tau}")
+        raise InputError(f"--tau must lie strictly between 0 and 1, got {tau}")
     if not 0.0 < top <= 1.0:
-        raise ValueError(f"--top must be a fraction of the keys in (0, 1], got {top}")
+        raise InputError(f"--top must be a fraction of the keys in (0, 1], got {top}")
     if n_q < 1:
-        raise ValueError(f"--n-q must be at least 1, got {n_q}")
+        raise InputError(f"--n-q must be at least 1, got {n_q}")
 
 
 def profile_model(loaded, text_ids, n_q: int = DEFAULT_N_Q, top: float = DEFAULT_TOP, tau: float = DEFAULT_TAU,
@@ -160,10 +161,10 @@ def profile_model(loaded, text_ids, n_q: int = DEFAULT_N_Q, top: float = DEFAULT
     if ids.dim() == 1:
         ids = ids[None]
     if ids.numel() == 0 or ids.shape[1] < 1:
-        raise ValueError("the calibration text is empty: give --data a file with text in it")
+        raise InputError("the calibration text is empty: give --data a file with text in it")
     n_tok = ids.shape[1]
     if n_tok > cfg.max_context:
-        raise ValueError(f"the calibration prompt has {n_tok} tokens but {loaded.name} supports "
+        raise InputError(f"the calibration prompt has {n_tok} tokens but {loaded.name} supports "
                          f"{cfg.max_context}: lower --length")
     cache = calibration_cache(cfg, n_q, top, ids.shape[0], device, model.output_weight.dtype, n_tok,
                               query_fn=model.project_query)

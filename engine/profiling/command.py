@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 
 import click
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.profiling.calibration import DEFAULT_N_Q, DEFAULT_TAU, DEFAULT_TOP
 
 DEFAULT_LENGTH = 4096
@@ -55,7 +56,7 @@ def read_data(data: str | None) -> tuple[str, bytes, str]:
     from tailorkv.engine.ui import read_text_bytes
     text, raw = read_text_bytes(data, "--data")
     if not text.strip():
-        raise ValueError(f"--data {data} is empty: give a few thousand tokens of text (leave --data out for the "
+        raise InputError(f"--data {data} is empty: give a few thousand tokens of text (leave --data out for the "
                          f"built-in text)")
     return text, raw, "stdin" if data == "-" else data
 
@@ -116,10 +117,10 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     err = ui.err
     validate(n_q, top, tau)
     if length is not None and length < 2:
-        raise ValueError(f"--length must be at least 2 tokens, got {length}")
+        raise InputError(f"--length must be at least 2 tokens, got {length}")
     if out is not None:
         if out.lower().endswith(".png"):
-            raise ValueError("--out names the JSON profile (the PNG goes next to it): use a .json name")
+            raise InputError("--out names the JSON profile (the PNG goes next to it): use a .json name")
         check_out(out, kind="file")
     text, raw, source = read_data(data)
 
@@ -129,7 +130,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     limit_ctx = cfg.max_context
     bits, bits_source = model_bits(family)  # checked before calibrating; shown with the result
     if length is not None and length > limit_ctx:
-        raise ValueError(f"--length {length} is beyond what {model} supports ({limit_ctx} tokens): "
+        raise InputError(f"--length {length} is beyond what {model} supports ({limit_ctx} tokens): "
                          f"lower --length")
     out_path = out or default_out(model, family, random_weights)
     refuse_existing(out_path, overwrite)
@@ -141,7 +142,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     all_ids = bos + tok.encode(text)
     ids = all_ids[:want]
     if len(ids) < 2:
-        raise ValueError(f"the calibration text gives only {len(ids)} token(s): give --data more text")
+        raise InputError(f"the calibration text gives only {len(ids)} token(s): give --data more text")
     if len(all_ids) < want:
         err.print(f"[yellow]the calibration text has {len(all_ids)} tokens, fewer than --length {want}: "
                   f"using all of them[/]")
