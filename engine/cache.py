@@ -104,6 +104,11 @@ class LayerCache:
         """The last step's counters (tokens_attended, tokens_fetched, bytes moved over PCIe, ...)."""
         return dict(self.last)
 
+    def totals(self) -> dict:
+        """Counters the policy keeps on the device since reset() (name -> int). Reading them waits for the device:
+        read after the steps, not inside them."""
+        return {}
+
 
 QueryFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]  # (layer, normed x, positions) -> roped q
 
@@ -224,4 +229,12 @@ class ModelCache:
             for key, val in layer.stats().items():
                 if isinstance(val, (int, float)):
                     out[key] = out.get(key, 0) + val
+        return out
+
+    def totals(self) -> dict:
+        """The layers' device counters since reset (LayerCache.totals), summed; a key only where a layer keeps it."""
+        out: dict = {}
+        for layer in self.layers:
+            for key, val in layer.totals().items():
+                out[key] = out.get(key, 0) + val
         return out

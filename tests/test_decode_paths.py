@@ -139,3 +139,22 @@ def test_llama_shaped_decode_hands_no_call_to_a_reference(tmp_path, method, batc
     cell = B.run_cell(lm, method, 3000, plan)
     assert cell["status"] == "ok", cell.get("error")
     assert cell["cuda_graph"] and cell["decode_reference_calls"] == {}
+
+
+@pytest.mark.cuda
+def test_a_bench_cell_reports_the_sketch_layers_top_k_searches(tmp_path):
+    """--select sketch on a GPU: each step's top-K leaves a carry for the next; the cell counts the selections
+    that searched the whole row (the cache's totals), at most all of them, and none without a sketch."""
+    from tailorkv.engine.bench import driver as B
+    write_tiny_folder(tmp_path, seed=8, hidden=512, n_heads=4, n_kv=1, head_dim=128, max_pos=4096)
+    lm = load_model(str(tmp_path), device="cuda", dtype=torch.bfloat16)
+    for select in ("sketch", "channels"):
+        s = MethodSettings("tailorkv", quant_layers=[0], budget=256, sink=16, recent=64, select=select)
+        plan = B.BenchPlan(ctxs=[3000], methods=["tailorkv"], settings={"tailorkv": s}, decode_steps=8, warmup=2)
+        cell = B.run_cell(lm, "tailorkv", 3000, plan)
+        assert cell["status"] == "ok", cell.get("error")
+        got = cell["topk_searches"]
+        if select == "channels":
+            assert got is None
+        else:
+            assert got["selected"] >= 10 and 1 <= got["searched_whole"] <= got["selected"], got

@@ -348,6 +348,10 @@ def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(
         assert rel_err(got, sync.attend(q1, k1, v1, p)) < 1e-6
     assert len(seen) == 30 and ahead.policy.selector.rows(ahead.policy) is not None
     assert (ahead.policy.selector.inner.row_cache is not None) == reuse
+    totals = ahead.policy.totals()  # the bench's row-cache counters: rows read from host <= rows chosen
+    assert sync.policy.totals() == {} and ("rows_read" in totals) == reuse
+    if reuse:
+        assert 0 < totals["rows_read"] <= totals["rows_chosen"] == 30 * B * hkv * 40
     other = qkv(gen, B, hq, hkv, 1, D)[0]
     q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
     ahead.attend(q1, k1, v1, 330, q_hat=other)

@@ -213,7 +213,7 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
         decoded.append(tok)
     sync(device)
     n = plan.decode_steps
-    reads_before = row_cache_reads(cache)
+    totals_before = cache.totals()
     step_stats, times_ms = [], []
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)] if cuda else []
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)] if cuda else []
@@ -259,36 +259,18 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     out["kv_host_bytes"] = cache.host_bytes()
     out["host_rss_bytes"] = process_rss()
     out["stats"] = _median_stats(step_stats)
+    totals = cache.totals()
     out["row_cache"] = None
-    if reads_before is not None:  # the plan counts every chosen row; the row caches read only the new ones
-        read, chosen = (a - b for a, b in zip(row_cache_reads(cache), reads_before))
+    if "rows_read" in totals:  # the plan counts every chosen row; the row caches read only the new ones
+        read, chosen = (totals[k] - totals_before[k] for k in ("rows_read", "rows_chosen"))
         out["row_cache"] = {"rows_read": read, "rows_chosen": chosen, "read_share": read / max(1, chosen)}
         out["stats"]["bytes_fetched"] *= out["row_cache"]["read_share"]
     out["tokens_held"] = cache.length
     out["greedy_tokens"] = torch.cat(decoded, 1)[0].tolist()  # row 0's greedy tokens, prefill's first
-    out["topk_searches"] = topk_searches(cache)
+    out["topk_searches"] = {"searched_whole": totals["topk_searched_whole"], "selected": totals["topk_selected"]} \
+        if "topk_selected" in totals else None  # since the cache's reset
     del runner, cache, logits, tok
     return out
-
-
-def row_cache_reads(cache) -> tuple[int, int] | None:
-    """Over the sketch-ahead layers' row caches since the cache's reset: (rows read from host, rows chosen);
-    None without row caches."""
-    caches = [c for layer in cache.layers if (c := getattr(getattr(layer, "selector", None), "row_cache", None))]
-    if not caches:
-        return None
-    read, chosen = (sum(v) for v in zip(*(c.counts.tolist() for c in caches)))
-    return read, chosen
-
-
-def topk_searches(cache) -> dict | None:
-    """The sketch layers' top-K rows since the cache's reset: how many searched the whole row, of all selected
-    (the rest chose among the tokens their carry listed: ops/topk_carry.py); None without carries."""
-    carries = [c for layer in cache.layers if (c := getattr(getattr(layer, "sketch", None), "carry", None))]
-    if not carries:
-        return None
-    whole, total = (sum(v) for v in zip(*(c.searches.tolist() for c in carries)))
-    return {"searched_whole": whole, "selected": total}
 
 
 def prefill_flops(cfg, n: int, batch: int = 1) -> dict:

@@ -30,6 +30,10 @@ class TokenSelector:
         """Device memory the selector keeps for its layer (not the scheduler's shared buffers)."""
         return 0
 
+    def totals(self) -> dict:
+        """Its device counters since reset (LayerCache.totals)."""
+        return {}
+
     def rows(self, layer):
         """(K rows, V rows) [B, Hkv, K, D] of the selected positions when the selector gathered them into device
         buffers; None: the attention reads them from the host store in place."""
@@ -119,6 +123,9 @@ class ObservedSelector(TokenSelector):
 
     def device_bytes(self):
         return self.inner.device_bytes()
+
+    def totals(self):
+        return self.inner.totals()
 
     def rows(self, layer):
         return self.inner.rows(layer)

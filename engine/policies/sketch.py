@@ -94,6 +94,14 @@ class KeySketch:
         carry = self.carry.device_bytes() if self.carry is not None else 0
         return carry + sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
 
+    def totals(self) -> dict:
+        """With a carry: the top-K rows searched whole, of all selected (the rest chose among the tokens their
+        carry listed: ops/topk_carry.py)."""
+        if self.carry is None:
+            return {}
+        whole, selected = self.carry.searches.tolist()
+        return {"topk_searched_whole": whole, "topk_selected": selected}
+
 
 class SketchSelector(TokenSelector):
     """Scores over the sketch pick the top-K middle tokens per KV head. By default from the layer's own query,
@@ -136,6 +144,13 @@ class SketchSelector(TokenSelector):
 
     def device_bytes(self) -> int:
         return self.row_cache.device_bytes() if self.row_cache is not None else 0
+
+    def totals(self) -> dict:
+        """With a row cache: rows read from host, rows chosen (the plan counts every chosen row)."""
+        if self.row_cache is None:
+            return {}
+        read, chosen = self.row_cache.counts.tolist()
+        return {"rows_read": read, "rows_chosen": chosen}
 
     @property
     def fetches_ahead(self) -> bool:

@@ -147,6 +147,9 @@ class SparseOffloadCache(LayerCache):
         """max |K| [B, Hkv, D] over the tokens held before this step (kept by the channels path only)."""
         return self.kmax
 
+    def totals(self) -> dict:
+        return {**(self.sketch.totals() if self.sketch is not None else {}), **self.selector.totals()}
+
     def device_bytes(self) -> int:
         sketch = self.sketch.device_bytes() if self.sketch is not None else 0
         held = (self.dev_k, self.dev_v, self.kmax, self.kmax_next)
