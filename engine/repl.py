@@ -118,4 +118,8 @@ def turn(con: Console, chat, text: str, max_new_tokens: int, stop: tuple[str, ..
                   "--ctx or --method tailorkv")
     except InputError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}")
+    except Exception:  # a bug, not the user's doing: its traceback, and the chat goes on with its history
+        err.print_exception()
+        err.print("[bold red]error:[/] this turn failed inside tailorkv (the traceback above is a bug to report); "
+                  "the conversation is kept: ask again, or /reset")
     return None

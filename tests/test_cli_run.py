@@ -308,3 +308,24 @@ def test_host_out_of_memory_is_one_line(monkeypatch):
     import tailorkv.models.loader as loader
     monkeypatch.setattr(loader, "load_model", no_memory)
     assert_clean_error(call("run", "-p", "hi", "--device", "cpu"), "ran out of memory (RAM)", "--dtype bf16")
+
+
+def test_a_bug_inside_a_chat_turn_shows_its_traceback_and_keeps_the_chat(monkeypatch):
+    """Not the user's input: the traceback (to report), then the chat goes on with its history."""
+    from tailorkv.engine.chat import ChatSession
+    real, calls = ChatSession.send, {"n": 0}
+
+    def send(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("an internal contract broke")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(ChatSession, "send", send)
+    lines = [b"What is the capital of France?", b"And of Italy?", b"/stats"]
+    res = CliRunner().invoke(main, ["run", "--device", "cpu", "-n", "8", "--temp", "0"],
+                             input=b"\n".join(lines) + b"\n")
+    assert res.exit_code == 0, res.output
+    assert "Traceback" in res.stderr and "an internal contract broke" in res.stderr
+    assert "a bug to report" in res.stderr and "the conversation is kept" in res.stderr
+    assert "2 messages" in res.stdout  # the first turn's question and answer
