@@ -168,7 +168,8 @@ class SparseOffloadCache(LayerCache):
     # --- one step -----------------------------------------------------------------------------------------
     def plan(self, step):
         mid = self.tail_start - self.sink
-        row = self._row_bytes()
+        s = self.spec
+        row = s.batch * s.n_kv_heads * s.head_dim * self.host_k.element_size()  # a token's K (or V) row, all heads
         if not step.decode:
             self.middle_bucket, self.middle_whole = 0, False
             self.last = {"tokens_fetched": mid, "bytes_fetched": 2 * mid * row, "middle_tokens": mid,
@@ -315,8 +316,3 @@ class SparseOffloadCache(LayerCache):
 
     def _tail_len(self) -> int:
         return max(0, self.held - self.tail_start)
-
-    def _row_bytes(self) -> int:
-        """Bytes of one token's K (or V) row over all batch entries and KV heads."""
-        s = self.spec
-        return s.batch * s.n_kv_heads * s.head_dim * self.host_k.element_size()
