@@ -81,6 +81,19 @@ def test_a_model_path_that_is_neither_folder_nor_hub_id(tmp_path):
     assert not os.path.exists(tmp_path / "a")
 
 
+@pytest.mark.parametrize("change, needles", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope scaling 'yarn' is not supported", "linear and llama3"]),
+    ({"num_key_value_heads": 3}, ["n_heads=4, not a multiple of n_kv_heads=3", "restore it"]),
+])
+def test_a_config_tailorkv_cannot_run_is_one_line(tmp_path, change, needles):
+    """A Hugging Face folder whose config.json asks for what the model code does not do: the model's error
+    (UnsupportedModel / LoadError), not a traceback."""
+    write_tiny_folder(str(tmp_path), n_heads=4, n_kv=2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    assert_one_line_error(call("run", "-m", str(tmp_path), "-p", "hi", "-n", "2", "--device", "cpu"), *needles)
+
+
 def test_auto_dtype_on_a_cpu_is_fp32_unless_amx_or_too_big(monkeypatch):
     import torch
     from tailorkv.engine import ui
