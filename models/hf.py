@@ -29,6 +29,11 @@ def read_config(folder: str) -> ModelConfig:
     if hf.get("model_type") not in ("llama", "mistral", None) or (archs and not set(archs) & SUPPORTED):
         raise UnsupportedModel(f"{folder} holds a '{hf.get('model_type')}' model ({', '.join(archs)}); "
                                f"tailorkv runs Llama-architecture models (Llama, Yi, SmolLM2)")
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size", "head_dim", "max_position_embeddings")
+    bad = next((k for k in sizes if hf.get(k) is not None and not (type(hf[k]) is int and hf[k] > 0)), None)
+    if bad:
+        raise LoadError(f"{path}: '{bad}' is {hf[bad]!r}, not a positive whole number: restore the file")
     try:
         return ModelConfig.from_hf(hf, name=os.path.basename(os.path.normpath(folder)))
     except KeyError as e:

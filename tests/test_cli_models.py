@@ -84,6 +84,8 @@ def test_a_model_path_that_is_neither_folder_nor_hub_id(tmp_path):
 @pytest.mark.parametrize("change, needles", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope scaling 'yarn' is not supported", "linear and llama3"]),
     ({"num_key_value_heads": 3}, ["n_heads=4, not a multiple of n_kv_heads=3", "restore it"]),
+    ({"hidden_size": "64"}, ["'hidden_size' is '64', not a positive whole number", "restore the file"]),
+    ({"num_key_value_heads": 0}, ["'num_key_value_heads' is 0, not a positive whole number"]),
 ])
 def test_a_config_tailorkv_cannot_run_is_one_line(tmp_path, change, needles):
     """A Hugging Face folder whose config.json asks for what the model code does not do: the model's error
