@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tailorkv.engine.errors import InputError
 from tailorkv.engine.generate import Engine, TurnStats
 from tailorkv.models.tokenizer import bos_prefix
 
@@ -61,7 +62,13 @@ class ChatSession:
         tok = self.engine.tokenizer
         if not self.use_template:
             return "".join(m["content"] for m in messages if m["role"] != "system")
-        return tok.apply_chat_template(messages, add_generation_prompt=True)
+        from jinja2.exceptions import TemplateError
+        try:
+            return tok.apply_chat_template(messages, add_generation_prompt=True)
+        except TemplateError as e:  # the template's own raise_exception: what it says of the conversation
+            fix = "restart without --system, or with --no-chat-template" \
+                if any(m["role"] == "system" for m in messages) else "restart with --no-chat-template"
+            raise InputError(f"the model's chat template refuses this conversation ({e}): {fix}") from None
 
     def new_ids(self, text: str) -> list[int]:
         """Token ids to feed after what the cache holds so that it holds `text`. The cache's text is derived

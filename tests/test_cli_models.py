@@ -118,3 +118,18 @@ def test_load_line_says_what_the_weights_became(hub_cache):
     res = call("run", "-m", str(hub_cache), "-p", "hi", "-n", "2", "--device", "cpu", "--dtype", "bf16")
     assert res.exit_code == 0, res.output
     assert "fp32 safetensors -> bf16 weights" in res.output
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_one_line_and_keeps_the_chat(tmp_path):
+    """A template's own raise_exception (here: no system role, as some models' templates say) names what it
+    refuses and the fix, in one-shot and in the chat; the chat goes on with its history."""
+    refuses = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    write_tiny_folder(str(tmp_path), chat_template=refuses + TEMPLATE)
+    args = ["run", "-m", str(tmp_path), "-n", "2", "--device", "cpu", "--system", "be brief"]
+    assert_one_line_error(call(*args, "-p", "hi"), "chat template refuses this conversation",
+                          "System role not supported", "restart without --system, or with --no-chat-template")
+    res = call(*args, input="hello\n/stats\n")
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    assert "System role not supported" in res.stderr and "1 messages" in res.stdout  # the system message only
+    res = call("run", "-m", str(tmp_path), "-n", "2", "--device", "cpu", "-p", "hi")
+    assert res.exit_code == 0, res.output
