@@ -121,16 +121,13 @@ def own_query_layers_of(prediction_cos: list[float | None] | None, below: float)
 def layer_policies(settings: MethodSettings, n_layers: int, family: dict) -> list[str]:
     """The policy name of each layer: the method's (tailorkv: quant / sparse by the profile), then `full` for
     settings.dense_layers."""
-    m = settings.method
+    m, quant = settings.method, settings.quant_layers
+    if m == "tailorkv" and quant is None:
+        quant = with_profile(settings, family, n_layers).quant_layers
+    settings.check_layers(n_layers, quant)
     names = [m] * n_layers
     if m == "tailorkv":
-        quant = settings.quant_layers
-        if quant is None:
-            quant = with_profile(settings, family, n_layers).quant_layers
-        settings.check_layers(n_layers, quant)
         names = ["quant" if i in set(quant) else "sparse" for i in range(n_layers)]
-    else:
-        settings.check_layers(n_layers)
     dense = set(settings.dense_layers or [])
     return ["full" if i in dense else name for i, name in enumerate(names)]
 
