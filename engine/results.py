@@ -2,6 +2,7 @@
 the environment block (command, commit, GPU, driver, date) and the small statistics the reports share."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -23,6 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def write_files_atomically(files: list[tuple[str, Callable[[str], None]]]) -> None:
     """Write every (path, writer(tmp_path)) to a temp file beside its target, then rename them all into place:
     readers never see half a file and a failure leaves no partial file behind."""
+    check_free([path for path, _ in files])
     temps: list[tuple[str, str]] = []
     try:
         for path, writer in files:
@@ -85,6 +87,14 @@ def check_out(path: str, kind: str = "folder", flag: str = "--out") -> str:
     return path
 
 
+def check_free(paths: list[str], flag: str = "--out") -> None:
+    """Files a run will write, checked before it starts: a folder in the way of one -> InputError."""
+    for path in paths:
+        if os.path.isdir(path):
+            raise InputError(f"{path} is a folder, and this run writes a file there: move the folder away or choose "
+                             f"another {flag}")
+
+
 def refuse_existing(path: str, overwrite: bool, also: str = "") -> None:
     """An earlier run's results are replaced only when the user says so (--overwrite)."""
     if os.path.exists(path) and not overwrite:
@@ -93,17 +103,56 @@ def refuse_existing(path: str, overwrite: bool, also: str = "") -> None:
 
 
 def numbered_dir(model_name: str, root: str, marker: str) -> str:
-    """<root>/<date>-<model>/, with -2, -3, ... when that folder already holds a results file (marker)."""
+    """<root>/<date>-<model>/, with -2, -3, ... when that folder already holds a results file (marker), is held by
+    a running command (claimed_dir's lock) or is not a folder."""
     name = os.path.normpath(model_name)
     if name.split(os.sep)[-1] in (".", ".."):  # the folder the user stands in (or above): its own name
         name = os.path.abspath(name)
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(name)).strip("-.") or "model"
     base = os.path.join(root, f"{datetime.date.today().isoformat()}-{stem}")
     out, n = base, 1
-    while os.path.exists(os.path.join(out, marker)):
+    while (os.path.exists(os.path.join(out, marker)) or os.path.exists(_lock(out, marker))
+           or (os.path.exists(out) and not os.path.isdir(out))):
         n += 1
         out = f"{base}-{n}"
     return out
+
+
+def run_name(model: str, family: dict) -> str:
+    """What a command's default results folder is named after: a model path as given, else its config's name (or
+    the hub id)."""
+    return model if os.path.exists(model) else family.get("name") or model
+
+
+def _lock(folder: str, marker: str) -> str:
+    return os.path.join(folder, f".{marker}.lock")
+
+
+@contextlib.contextmanager
+def claimed_dir(model_name: str, root: str, marker: str):
+    """numbered_dir's folder, made now and held for this command: a lock file, made exclusively, keeps a command
+    started beside it from choosing the same folder. The lock goes when the command ends, and so does the folder if
+    the command made it and wrote nothing there. A folder that cannot be made -> InputError, before any work."""
+    while True:
+        out = numbered_dir(model_name, root, marker)
+        made = not os.path.exists(out)
+        try:
+            os.makedirs(out, exist_ok=True)
+            os.close(os.open(_lock(out, marker), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            break
+        except FileExistsError:  # another command took it a moment ago: the next number
+            continue
+        except OSError as e:
+            raise InputError(f"cannot make the results folder {out} ({e.strerror or e}): run from a folder where "
+                             f"you can write, or pass --out DIR") from None
+    try:
+        yield out
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(_lock(out, marker))
+        if made:
+            with contextlib.suppress(OSError):  # only an empty folder goes
+                os.rmdir(out)
 
 
 def command_line() -> str:

@@ -427,6 +427,19 @@ def test_an_earlier_run_is_kept_unless_overwrite_or_resume(tiny_dir, tmp_path):
     assert (out / "eval.json").read_text() == '{"earlier": true}'
 
 
+def test_the_default_folder_is_claimed_before_the_model_loads(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "eval").write_text("a file where eval/results/ would go")
+    r = invoke("eval", "--model", tiny_dir, *COMMON)
+    assert_one_line_error(r, "cannot make the results folder eval/results/", "or pass --out DIR")
+    assert " parameters, " not in r.output
+    os.unlink(tmp_path / "eval")
+    monkeypatch.setattr(D, "run_item", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+    r = invoke("eval", "--model", tiny_dir, *COMMON)
+    assert r.exit_code == 130 and "no item had finished, nothing was written" in r.output
+    assert os.listdir(tmp_path / "eval" / "results") == []  # the folder it made for the run went with it
+
+
 def test_fidelity_only_with_budget_frac(tiny_dir, tmp_path):
     out = str(tmp_path / "fid")
     r = invoke("eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "256,320", "--samples", "0",

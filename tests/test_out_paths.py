@@ -5,7 +5,7 @@ import os
 import pytest
 
 from tailorkv.engine import ui
-from tailorkv.engine.results import check_out, refuse_existing
+from tailorkv.engine.results import check_free, check_out, claimed_dir, refuse_existing
 
 
 def test_check_out_refuses_what_cannot_be_written(tmp_path):
@@ -56,3 +56,38 @@ def test_refuse_existing_names_overwrite(tmp_path):
 def test_lengths_must_be_finite_and_positive(text):
     with pytest.raises(ValueError, match="is not a length"):
         ui.parse_length(text)
+
+
+def test_claimed_dir_gives_commands_started_together_their_own_folders(tmp_path):
+    root = str(tmp_path / "results")
+    with claimed_dir("m", root, "bench.json") as a, claimed_dir("m", root, "bench.json") as b:
+        assert a != b and os.path.isdir(a) and os.path.isdir(b) and b == a + "-2"
+        open(os.path.join(a, "bench.json"), "w").close()  # a wrote its results; b wrote nothing
+    assert sorted(os.listdir(root)) == [os.path.basename(a)]       # b's empty folder went with it
+    assert os.listdir(a) == ["bench.json"]                          # the lock went, the results stay
+    with claimed_dir("m", root, "bench.json") as c:
+        assert c == a + "-2"
+
+
+def test_claimed_dir_keeps_a_folder_it_did_not_make_and_names_one_it_cannot(tmp_path):
+    root = tmp_path / "results"
+    with claimed_dir("m", str(root), "eval.json") as a:
+        pass
+    os.makedirs(a)
+    (tmp_path / "results" / "keep.txt").write_text("x")
+    with claimed_dir("m", str(root), "eval.json") as b:
+        assert b == a  # an empty folder is reused
+    assert os.path.isdir(a)  # and not removed: this command did not make it
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"cannot make the results folder .*file/.*: run from a folder where you can "
+                                         r"write, or pass --out DIR"):
+        with claimed_dir("m", str(tmp_path / "file"), "eval.json"):
+            pass
+
+
+def test_check_free_names_a_folder_where_a_file_goes(tmp_path):
+    check_free([str(tmp_path / "a.json")])
+    (tmp_path / "a.png").mkdir()
+    with pytest.raises(ValueError, match=r"a.png is a folder, and this run writes a file there: move the folder away "
+                                         r"or choose another --out"):
+        check_free([str(tmp_path / "a.json"), str(tmp_path / "a.png")])

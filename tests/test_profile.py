@@ -224,6 +224,11 @@ def test_cli_writes_json_and_png(cli_main, tiny_dir, tmp_path):
     r5 = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--out",
                                        str(tmp_path / "new") + "/"])
     assert "is a folder: give a file name inside it" in _one_error_line(r5)
+    (tmp_path / "chart.png").mkdir()  # where the PNG beside chart.json goes: known before calibrating
+    r6 = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--out",
+                                       str(tmp_path / "chart.json")])
+    assert "chart.png is a folder, and this run writes a file there" in _one_error_line(r6)
+    assert "calibrating" not in r6.output
 
 
 def _one_error_line(r):

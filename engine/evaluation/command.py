@@ -8,6 +8,7 @@ fidelity (teacher-forced comparison with full) and report (tables, PNGs). ui.py 
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shlex
@@ -20,12 +21,6 @@ from tailorkv.engine.errors import InputError
 
 DEFAULT_METHODS = "full,tailorkv,streamingllm,snapkv,quest"
 SAVE_EVERY_S = 30.0  # partial eval.json rewrites during a run
-
-
-def default_out_dir(model_name: str, root: str = "eval/results") -> str:
-    """eval/results/<date>-<model>/, with -2, -3, ... when that folder already holds an eval.json."""
-    from tailorkv.engine.results import numbered_dir
-    return numbered_dir(model_name, root, marker="eval.json")
 
 
 def _console():
@@ -221,61 +216,63 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                                  for b in plan.budgets], cfg, click_ctx, family)
     for note in whole_context_notes(plan):
         ui.err.print(f"[yellow]{escape(note)}[/]")
-    torch.manual_seed(plan.seed)
-    loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev, cfg))
-    D.check_methods(loaded, plan)
+    claim = contextlib.nullcontext(out) if out is not None else R.claimed_dir(R.run_name(model, family),
+                                                                              "eval/results", "eval.json")
+    with claim as out:
+        torch.manual_seed(plan.seed)
+        loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev, cfg))
+        D.check_methods(loaded, plan)
 
-    items = P.shard_items(plan.items(), shard_t)
-    out = out or default_out_dir(loaded.name if not os.path.exists(model) else model)
-    json_path = os.path.join(out, name)
-    con = _console()
-    with con.status("generating the samples"):  # every length, even in a shard: the hash checks the merge
-        suites = prompts.build_suites(loaded.tokenizer, plan)
-    policies = {b.label: {m: layer_policies(plan.settings(m, plan.lengths[0], b.label), loaded.cfg.n_layers,
-                                            loaded.family) for m in plan.methods} for b in plan.budgets}
-    common = dict(command=R.command_line(), args=dict(params), env=R.environment(dev), model=model_info(loaded),
-                  plan=plan, shard=shard_t, suites_hash=prompts.suite_hash(suites, plan.question),
-                  layer_policies=policies)
-    records: list[dict] = []
-    if prev is not None:
-        records = M.resumable_records(prev, S.results(records=[], **common), json_path, plan)
-        done = {r["item"] for r in records}
-        items = [it for it in items if it["index"] not in done]
-        con.print(f"resuming {json_path}: {len(done)} items done, {len(items)} to go")
-    last_save = [0.0]
+        items = P.shard_items(plan.items(), shard_t)
+        json_path = os.path.join(out, name)
+        con = _console()
+        with con.status("generating the samples"):  # every length, even in a shard: the hash checks the merge
+            suites = prompts.build_suites(loaded.tokenizer, plan)
+        policies = {b.label: {m: layer_policies(plan.settings(m, plan.lengths[0], b.label), loaded.cfg.n_layers,
+                                                loaded.family) for m in plan.methods} for b in plan.budgets}
+        common = dict(command=R.command_line(), args=dict(params), env=R.environment(dev), model=model_info(loaded),
+                      plan=plan, shard=shard_t, suites_hash=prompts.suite_hash(suites, plan.question),
+                      layer_policies=policies)
+        records: list[dict] = []
+        if prev is not None:
+            records = M.resumable_records(prev, S.results(records=[], **common), json_path, plan)
+            done = {r["item"] for r in records}
+            items = [it for it in items if it["index"] not in done]
+            con.print(f"resuming {json_path}: {len(done)} items done, {len(items)} to go")
+        last_save = [0.0]
 
-    def save(force: bool = False):  # partial results survive an interrupt; at most every SAVE_EVERY_S seconds
-        if force or time.monotonic() - last_save[0] >= SAVE_EVERY_S:
-            R.write_json(json_path, S.results(records=records, **common))
-            last_save[0] = time.monotonic()
+        def save(force: bool = False):  # partial results survive an interrupt; at most every SAVE_EVERY_S seconds
+            if force or time.monotonic() - last_save[0] >= SAVE_EVERY_S:
+                R.write_json(json_path, S.results(records=records, **common))
+                last_save[0] = time.monotonic()
 
-    texts: dict = {}
-    bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TimeRemainingColumn(), console=ui.err, transient=True)
-    try:
-        run_items(items, loaded, plan, suites, texts, records, bar, save, lines=not ui.err.is_terminal)
-    except KeyboardInterrupt:
-        if not records:
-            raise ui.Interrupted("no item had finished, nothing was written") from None
-        save(force=True)
-        n_items = len({r["item"] for r in records})
-        again = same_command(click_ctx, out=out, resume=True, overwrite=False)
-        raise ui.Interrupted(f"{n_items} items saved in {json_path}; to finish, run: {again}") from None
-    res = S.results(records=records, **common)
-    if shard_t is None:
-        paths = write_outputs(res, out)
-    else:
-        R.write_json(json_path, res)
-        paths = [json_path]
-    show(res, con)
-    for r in records:
-        if r["status"] != "ok":
-            at = "" if r["budget"] is None else f" @ {r['budget']}"
-            ui.err.print(f"[red]{P.length_label(r['length'])} {r['method']}{at} {r.get('task', 'fidelity')}: "
-                          f"{r['status'].upper()}[/] {escape(r['error'] or '')}")
-    ok = sum(r["status"] == "ok" for r in records)
-    con.print(f"{ok}/{len(records)} records ok; results in {', '.join(paths)}"
-              + (f" (shard {shard_t[0]} of {shard_t[1]}: merge with `tailorkv eval-merge {shlex.quote(out)}`)" if shard_t else ""))
+        texts: dict = {}
+        bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), TimeRemainingColumn(), console=ui.err, transient=True)
+        try:
+            run_items(items, loaded, plan, suites, texts, records, bar, save, lines=not ui.err.is_terminal)
+        except KeyboardInterrupt:
+            if not records:
+                raise ui.Interrupted("no item had finished, nothing was written") from None
+            save(force=True)
+            n_items = len({r["item"] for r in records})
+            again = same_command(click_ctx, out=out, resume=True, overwrite=False)
+            raise ui.Interrupted(f"{n_items} items saved in {json_path}; to finish, run: {again}") from None
+        res = S.results(records=records, **common)
+        if shard_t is None:
+            paths = write_outputs(res, out)
+        else:
+            R.write_json(json_path, res)
+            paths = [json_path]
+        show(res, con)
+        for r in records:
+            if r["status"] != "ok":
+                at = "" if r["budget"] is None else f" @ {r['budget']}"
+                ui.err.print(f"[red]{P.length_label(r['length'])} {r['method']}{at} {r.get('task', 'fidelity')}: "
+                              f"{r['status'].upper()}[/] {escape(r['error'] or '')}")
+        ok = sum(r["status"] == "ok" for r in records)
+        con.print(f"{ok}/{len(records)} records ok; results in {', '.join(paths)}"
+                  + (f" (shard {shard_t[0]} of {shard_t[1]}: merge with `tailorkv eval-merge {shlex.quote(out)}`)" if shard_t else ""))
 
 
 def item_line(i: int, n: int, what: str, recs: list[dict]) -> str:

@@ -112,7 +112,8 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
 
     from tailorkv import __version__
     from tailorkv.engine import options, ui
-    from tailorkv.engine.results import check_out, git_commit, refuse_existing, write_files_atomically
+    from tailorkv.engine.results import check_free, check_out, git_commit, refuse_existing, \
+        write_files_atomically
 
     err = ui.err
     validate(n_q, top, tau)
@@ -133,6 +134,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
         raise InputError(f"--length {length} is beyond what {model} supports ({limit_ctx} tokens): "
                          f"lower --length")
     out_path = out or default_out(model, family, random_weights)
+    check_free([out_path, png_path(out_path)])
     refuse_existing(out_path, overwrite)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
     from tailorkv.models.loader import require_tokenizer
