@@ -115,6 +115,39 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_model_loads(tiny, t
     assert " parameters, " not in r.output
 
 
+def test_the_default_folder_is_made_before_the_model_loads(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench").write_text("a file where bench/results/ would go")
+    r = bench_cmd("--model", tiny, "--methods", "full", "--ctx", "128", *FAST[:8])
+    assert_one_line_error(r, "cannot make the results folder bench/results/", "or pass --out DIR")
+    assert " parameters, " not in r.output
+
+
+def test_a_folder_where_a_result_file_goes_is_refused_before_the_model_loads(tiny, tmp_path):
+    (tmp_path / "b" / "decode_ms.png").mkdir(parents=True)
+    r = bench_cmd("--model", tiny, "--methods", "full", "--ctx", "128", "--out", str(tmp_path / "b"), *FAST[:8])
+    assert_one_line_error(r, "decode_ms.png is a folder, and this run writes a file there")
+    assert " parameters, " not in r.output and not (tmp_path / "b" / "bench.json").exists()
+
+
+@pytest.mark.parametrize("ctxs", [",", " , ", ""])
+def test_an_empty_ctx_list_is_an_error_not_the_default_sweep(tiny, tmp_path, ctxs):
+    r = bench_cmd("--model", tiny, "--methods", "full", "--ctx", ctxs, "--out", str(tmp_path / "b"), *FAST[:8])
+    assert_one_line_error(r, "names no context length")
+    assert " parameters, " not in r.output
+
+
+def test_one_context_written_two_ways_is_one_cell_and_batch_steps_say_so(tiny, tmp_path):
+    r = bench_cmd("--model", tiny, "--methods", "full", "--ctx", "1k,1024,0.5k", "--batch", "2",
+                  "--out", str(tmp_path / "b"), *FAST[:8])
+    assert r.exit_code == 0, r.output
+    res = load(tmp_path / "b" / "bench.json")
+    assert res["bench"]["ctxs"] == [1024, 512] and [c["ctx"] for c in res["cells"]] == [1024, 512]
+    cell = res["cells"][0]
+    assert cell["tok_s"] == pytest.approx(2e3 / cell["decode_ms"]["median"])  # a step decodes a token per sequence
+    assert "ms/step of 2 tokens" in r.output
+
+
 def test_ctrl_c_keeps_the_finished_cells_and_their_plots(tiny, tmp_path, monkeypatch):
     real = B.run_sweep
 

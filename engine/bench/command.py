@@ -2,6 +2,7 @@
 ui.py calls register(main)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -97,7 +98,8 @@ def cell_line(cell: dict, i: int, n: int) -> str:
     head = f"[{i}/{n}] {cell['method']} @ {row['ctx']} ({row['prompt']} prompt tokens): "
     if cell["status"] != "ok":
         return head + f"{row['prefill s']} {row['ms/tok']}"
-    return head + f"prefill {row['prefill s']} s, decode {row['ms/tok']} ms/token (p90 {row['p90']})"
+    per = "ms/token" if cell.get("batch", 1) == 1 else f"ms/step of {cell['batch']} tokens, {row['tok/s']} tok/s"
+    return head + f"prefill {row['prefill s']} s, decode {row['ms/tok']} {per} (p90 {row['p90']})"
 
 
 def whole_context_notes(plan) -> list[str]:
@@ -200,14 +202,9 @@ def register(main: click.Group) -> click.Command:
 def run_bench(params, model, weights, random_weights, device, dtype, ctxs, methods, decode_steps, warmup, batch,
               gpu_mem_limit, hbm_gbps, pcie_gbps, out, seed, knobs, cuda_graph=True, fmt=None, profile_steps=0,
               profile_prefill=False, overwrite=False):
-    import torch
-    from rich.console import Console, Group
-    from rich.live import Live
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from tailorkv.engine import options, results as R, ui
     from tailorkv.engine.bench import driver as B
-    from tailorkv.engine.bench.plot import plot_all
+    from tailorkv.engine.bench.plot import PLOTS
     from tailorkv.engine.settings import METHODS
 
     for flag, gbps, example in (("--hbm-gbps", hbm_gbps, 4300), ("--pcie-gbps", pcie_gbps, 55)):
@@ -219,7 +216,11 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
         raise ui.UserError(f"unknown method '{bad[0]}' in --methods: choose from {', '.join(METHODS)}")
     options.check_knob_use(click.get_current_context(), names)
     settings = {m: options.settings_from(method=m, **knobs) for m in names}
-    ctx_list = [ui.parse_ctx(c) for c in ui.split_list(ctxs)] if ctxs is not None else None
+    ctx_list = None
+    if ctxs is not None:  # 1k and 1024 are one context
+        ctx_list = list(dict.fromkeys(ui.parse_ctx(c) for c in ui.split_list(ctxs)))
+        if not ctx_list:
+            raise ui.UserError(f"--ctx {ctxs!r} names no context length: e.g. --ctx 8k,32k")
     dev = ui.pick_device(device)
     limit = ui.parse_bytes(gpu_mem_limit) if gpu_mem_limit else None
     cfg, family = options.peek(model, weights, random_weights)
@@ -237,8 +238,29 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
                        hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps,
                        profile_prefill=profile_prefill)
     plan.validate(cfg.max_context)
-    if out is not None:
-        R.refuse_existing(os.path.join(R.check_out(out), "bench.json"), overwrite)
+    given_out = out is not None
+    if given_out:
+        R.check_free([os.path.join(R.check_out(out), f) for f in ("bench.json", *PLOTS)])
+        R.refuse_existing(os.path.join(out, "bench.json"), overwrite)
+    claim = contextlib.nullcontext(out) if given_out else R.claimed_dir(R.run_name(model, family), "bench/results",
+                                                                         "bench.json")
+    with claim as out:
+        _measure(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit, hbm_gbps, pcie_gbps, out,
+                 given_out, seed, fmt, profile_steps, profile_prefill)
+
+
+def _measure(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit, hbm_gbps, pcie_gbps, out,
+             given_out, seed, fmt, profile_steps, profile_prefill):
+    """The sweep, its live table and its files in out, after every check passed."""
+    import torch
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tailorkv.engine import results as R, ui
+    from tailorkv.engine.bench import driver as B
+    from tailorkv.engine.bench.plot import plot_all
+
     limit = ui.cap_gpu_memory(gpu_mem_limit, dev)
     if dev.type != "cuda" and (profile_steps or profile_prefill):
         ui.err.print("[yellow]--profile and --profile-prefill ignored: their stage breakdowns need a GPU[/]")
@@ -246,8 +268,6 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     torch.manual_seed(seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
 
-    given_out = out is not None
-    out = out or R.numbered_dir(loaded.name if not os.path.exists(model) else model, "bench/results", "bench.json")
     json_path = os.path.join(out, "bench.json")
     env = R.environment(dev)
     command = R.command_line()
@@ -264,8 +284,10 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     dev_name = env["gpu"] or str(dev)
     note = (f"; floor: weights + KV read at {hbm_gbps:.0f} GB/s vs PCIe bytes at {pcie_gbps:.0f} GB/s" if on_gpu
             else "; prompt = tokens prefilled (ctx less warm-up, timed steps and a margin)")
-    table = _table(f"{loaded.name} on {dev_name}, batch {batch}, {decode_steps} steps after {warmup} warm-up{note}",
-                   on_gpu)
+    if plan.batch > 1:
+        note += f"; ms/tok = one step, a token for each of the {plan.batch} sequences; tok/s counts all of them"
+    table = _table(f"{loaded.name} on {dev_name}, batch {plan.batch}, {plan.decode_steps} steps after {plan.warmup} "
+                   f"warm-up{note}", on_gpu)
     for n in whole_context_notes(plan):
         ui.err.print(f"[yellow]{escape(n)}[/]")
     bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

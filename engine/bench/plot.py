@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tailorkv.engine.results import write_atomic  # noqa: E402
 
 GIB = 1024 ** 3
+PLOTS = ("decode_ms.png", "peak_memory.png")  # what plot_all writes in a results folder
 
 
 def ctx_label(n: int) -> str:
@@ -75,7 +76,9 @@ def on_gpu(res: dict) -> bool:
 
 
 def plot_decode(res: dict, path: str) -> None:
-    fig, ax = _axes(res, "decode latency (median per step; bar to p90)", "ms / token")
+    batch = res["bench"].get("batch", 1)
+    fig, ax = _axes(res, "decode latency (median per step; bar to p90)",
+                    "ms / token" if batch == 1 else f"ms / step (a token for each of {batch} sequences)")
     ooms = _lines(ax, res, lambda c: c["decode_ms"]["median"])
     for i, method in enumerate(res["bench"]["methods"]):
         ok = [c for c in res["cells"] if c["method"] == method and c["status"] == "ok"]
@@ -117,7 +120,7 @@ def plot_memory(res: dict, path: str) -> None:
 
 
 def plot_all(res: dict, folder: str) -> list[str]:
-    paths = [os.path.join(folder, "decode_ms.png"), os.path.join(folder, "peak_memory.png")]
+    paths = [os.path.join(folder, name) for name in PLOTS]
     plot_decode(res, paths[0])
     plot_memory(res, paths[1])
     return paths
