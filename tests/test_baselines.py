@@ -182,6 +182,22 @@ def test_streaming_keeps_sinks_and_window(gen, hq, hkv):
     assert cache.device_bytes() == 2 * spec.batch * hkv * budget * D * 4
 
 
+@pytest.mark.parametrize("sink", [4, 40])
+def test_streaming_holds_no_more_slots_than_the_context(gen, sink):
+    """A context shorter than the budget (even than the sinks) never evicts: its own length in slots, and every
+    token attended as by full, up to the last position."""
+    spec = make_spec(8, 2, max_len=32)
+    full, stream = One(FullCache(spec)), One(StreamingCache(spec, settings(budget=64, sink=sink)))
+    assert stream.device_bytes() == full.device_bytes() == 2 * spec.batch * 2 * 32 * D * 4
+    Q, K, V = make_qkv(gen, spec.batch, 8, 2, 32)
+    chunks = [(0, 20)] + decode_steps(20, 12)
+    for (s, e), (f, o) in zip(chunks, feed([full, stream], Q, K, V, chunks)):
+        assert rel_err(o, f) < 1e-6, (s, e)
+        assert stream.stats()["tokens_attended"] == e
+    with pytest.raises(ContextFull):
+        stream.attend(Q[:, :, :1], K[:, :, :1], V[:, :, :1], 32)
+
+
 def test_streaming_ignores_a_strong_key_in_the_middle(gen):
     spec = make_spec(8, 2, max_len=100)
     Q, K, V = make_qkv(gen, spec.batch, 8, 2, 61)

@@ -3,7 +3,7 @@ the first `settings.sink` tokens and the most recent `settings.budget - settings
 between is evicted for good. Prefill (and any multi-token step) attends exactly over what is held plus the new
 tokens (causal among the new ones); then the new tokens are stored and the window slides.
 
-Layout: one buffer of `budget` slots, preallocated. Slots [0, sink) hold the sinks; slots [sink, budget) are a
+Layout: one buffer of `budget` slots (the context's length when that is shorter), preallocated. Slots [0, sink) hold the sinks; slots [sink, budget) are a
 ring of the recent tokens (`head` is the next slot to write, `n_rec` how many are held). Invariant: while the
 ring is not full its tokens sit in slots [sink, sink + n_rec) and head == n_rec, so the held tokens are always
 slots [0, n_sink + n_rec). Decode keys are order-free (RoPE is already applied), so the ring needs no mask.
@@ -30,7 +30,9 @@ class StreamingCache(LayerCache):
 
     def __init__(self, spec: LayerSpec, settings: MethodSettings):
         super().__init__(spec)
-        self.sink, self.budget = settings.sink, settings.budget
+        # a context shorter than the budget never evicts: its slots are enough (the ring keeps at least one)
+        self.budget = min(settings.budget, spec.max_len)
+        self.sink = min(settings.sink, self.budget - 1)
         self.cap = self.budget - self.sink  # recent tokens kept
         shape = (spec.batch, spec.n_kv_heads, self.budget, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
