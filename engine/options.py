@@ -102,14 +102,20 @@ def given_knobs(ctx: click.Context) -> list[str]:
 
 
 def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
-    """A knob given while no chosen method uses it is an error (it would be ignored without a word)."""
-    from tailorkv.engine.settings import KNOB_USERS
+    """A knob given while no chosen method (or --select mode) uses it is an error (it would be ignored without a
+    word)."""
+    from tailorkv.engine.settings import KNOB_USERS, SELECT_KNOBS
+    select = ctx.params.get("select") or "channels"
     for k in given_knobs(ctx):
+        flag = "--" + k.replace("_", "-")
         if not set(KNOB_USERS[k]) & set(methods):
-            flag = "--" + k.replace("_", "-")
             chosen = ", ".join(methods)
             raise UserError(f"{flag} has no effect under {chosen}: it applies to {_users(k)}; drop {flag} "
                             f"or choose one of those methods")
+        if select not in SELECT_KNOBS.get(k, (select,)):
+            modes = " or ".join(SELECT_KNOBS[k])
+            raise UserError(f"{flag} has no effect with --select {select}: it applies to --select {modes}; drop "
+                            f"{flag} or choose that selection")
 
 
 def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select="channels", sketch_bits=2,

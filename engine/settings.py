@@ -30,6 +30,11 @@ KNOB_USERS = {
     "channel_rule": ("tailorkv",),
     "own_query_below": ("tailorkv",),
 }
+SELECT_KNOBS = {  # tailorkv's knobs that only some --select modes use
+    "sketch_bits": ("sketch", "sketch-ahead"),
+    "channels": ("channels",),
+    "channel_rule": ("channels",),
+}
 
 
 def quant_shape_error(head_dim: int, bits: int, group: int) -> str | None:
@@ -100,8 +105,9 @@ class MethodSettings:
             raise InputError(f"unknown method '{self.method}'; choose one of {', '.join(METHODS)}")
         if self.bits not in (None, 1, 2):
             raise InputError(f"--bits must be 1 or 2, got {self.bits}")
-        if self.sink < 0 or self.recent < 0:
-            raise InputError(f"--sink and --recent must be >= 0, got {self.sink} and {self.recent}")
+        for flag, n in (("--sink", self.sink), ("--recent", self.recent)):
+            if n < 0:
+                raise InputError(f"{flag} must be at least 0 tokens, got {n}: e.g. {flag} 64")
         if self.method == "tailorkv" and self.budget < self.sink + self.recent:
             raise InputError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}: "
                              f"raise --budget or lower --sink / --recent")

@@ -155,7 +155,7 @@ def read_text_bytes(path: str, what: str) -> tuple[str, bytes]:
         with open(path, "rb") as f:
             data = f.read()
     try:
-        return data.decode("utf-8"), data
+        return data.decode("utf-8-sig"), data  # a byte order mark (Windows editors write one) is not text
     except UnicodeDecodeError:
         raise UserError(f"{what} {path} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from None
 
@@ -167,9 +167,16 @@ def pick_device(device: str):
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("CUDA was requested but no GPU is visible: use --device cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError:
         raise UserError(f"--device '{device}' is not a device: use auto, cpu or cuda[:N]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device '{device}': tailorkv runs on a CPU or an NVIDIA GPU: use auto, cpu or cuda[:N]")
+    n = torch.cuda.device_count() if dev.type == "cuda" else 0
+    if dev.index is not None and dev.type == "cuda" and dev.index >= n:
+        raise UserError(f"--device {device}: this machine has {n} GPU{'s' if n > 1 else ''}: use cuda:0"
+                        + (f" .. cuda:{n - 1}" if n > 1 else ""))
+    return dev
 
 
 def _cpu_flags() -> str:

@@ -98,7 +98,8 @@ def test_parse_ctx():
 
 
 def test_interactive_chat_commands():
-    lines = [b"What is the capital of France?", b"\xff\xfe caf\xe9?", b"/stats", b"/foo", b"/reset", b"/stats"]
+    lines = [b"What is the capital of France?", b"\xff\xfe caf\xe9?", b"/stats", b"/foo", b"/stats please", b"/reset",
+             b"/stats"]
     res = CliRunner().invoke(main, ["run", "--device", "cpu", "-n", "16", "--temp", "0"],
                              input=b"\n".join(lines) + b"\n")
     assert res.exit_code == 0, res.output
@@ -107,7 +108,7 @@ def test_interactive_chat_commands():
     assert "prefill" in out and "reserved" in out and "held" in out  # per-turn stats: held vs reserved
     assert "not UTF-8" in res.stderr and "the chat is kept" in res.stderr  # a bad line is refused (on stderr),
     assert "not UTF-8" not in out                                          # the chat goes on
-    assert "unknown command /foo" in out
+    assert "/foo is not a command" in out and "/stats takes no arguments" in out
     assert "conversation cleared" in out
     assert out.count("2 messages") == 1 and "0 messages" in out  # /stats before and after /reset
     assert "last turn: prefill" in out and "no finished turn since the start or /reset" in out  # /reset forgets the figures
@@ -140,6 +141,11 @@ def test_interactive_chat_commands():
     (["--quant-layers", "0"], ["--quant-layers has no effect under full", "tailorkv"]),
     (["--budget", "512"], ["--budget has no effect under full", "streamingllm"]),
     (["--method", "streamingllm", "--channels", "8"], ["--channels has no effect under streamingllm"]),
+    (["--method", "tailorkv", "--sketch-bits", "1"], ["--sketch-bits has no effect with --select channels",
+                                                      "--select sketch or sketch-ahead"]),
+    (["--method", "tailorkv", "--select", "sketch", "--channels", "3"], ["--channels has no effect with --select "
+                                                                         "sketch", "--select channels"]),
+    (["--method", "tailorkv", "--select", "sketch-ahead", "--channel-rule", "max"], ["--channel-rule has no effect"]),
     (["--method", "tailorkv", "--own-query-below", "1.5"], ["--own-query-below must be a cosine in [0, 1]"]),
     (["--own-query-below", "0.3"], ["--own-query-below has no effect under full", "tailorkv"]),
     (["-m", "llama-3.1-8b", "--random-weights", "--method", "tailorkv", "--own-query-below", "0.4"],
@@ -158,6 +164,9 @@ def test_interactive_chat_commands():
     (["--gpu-mem-limit", "0"], ["--gpu-mem-limit '0' is not a size"]),
     (["--gpu-mem-limit", "nan"], ["--gpu-mem-limit 'nan' is not a size"]),
     (["--device", "xyz"], ["--device 'xyz' is not a device", "cpu or cuda"]),
+    (["--method", "streamingllm", "--sink", "-4"], ["--sink must be at least 0 tokens, got -4", "e.g. --sink 64"]),
+    (["--device", "mps"], ["--device 'mps': tailorkv runs on a CPU or an NVIDIA GPU", "auto, cpu or cuda[:N]"]),
+    (["--device", "meta"], ["--device 'meta': tailorkv runs on a CPU or an NVIDIA GPU"]),
     (["--method", "tailorkv", "--quant-layers", "a,b"], ["--quant-layers 'a,b' is not a list of layer numbers"]),
     (["--system", "Be brief.", "--no-chat-template"], ["--system needs the chat template", "drop one of them"]),
     (["--bogus"], ["No such option '--bogus'", "tailorkv run --help"]),
@@ -190,6 +199,12 @@ def test_prompt_file_errors(tmp_path):
     assert_clean_error(call("run", "-f", str(empty)), "is empty")
     assert_clean_error(call("run", "-f", str(empty), "-p", "hi"), "use one of them")
     assert_clean_error(call("run", "-f", "-", input=b"\xff\xfe"), "- is not UTF-8")
+    bom = tmp_path / "bom.txt"  # what a Windows editor saves: a byte order mark, which is not text
+    bom.write_bytes(b"\xef\xbb\xbf \n")
+    assert_clean_error(call("run", "-f", str(bom)), "is empty")
+    bom.write_bytes(b"\xef\xbb\xbfHello")
+    from tailorkv.engine.ui import read_text_bytes
+    assert read_text_bytes(str(bom), "--file") == ("Hello", b"\xef\xbb\xbfHello")
 
 
 def test_weights_of_another_model_are_refused(tmp_path):
