@@ -42,9 +42,9 @@ class StopText:
 
     def _show(self, end: int) -> None:
         if end > self.shown:
+            piece, self.shown = self.text[self.shown:end], end  # first: a Ctrl-C inside on_text shows it once
             if self.on_text:
-                self.on_text(self.text[self.shown:end])
-            self.shown = end
+                self.on_text(piece)
 
 
 @dataclass
@@ -55,7 +55,7 @@ class ChatSession:
     messages: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.system:
+        if self.system is not None:  # "" too: an empty system message, in place of a template's default one
             self.messages.append({"role": "system", "content": self.system})
 
     def render(self, messages: list[dict]) -> str:
@@ -97,7 +97,7 @@ class ChatSession:
             return answer.push(s) if s else False
 
         try:
-            _, stats = self.engine.generate(ids, max_new_tokens, on_token)
+            out, stats = self.engine.generate(ids, max_new_tokens, on_token)
         except KeyboardInterrupt:
             self.engine.recover()
             self.messages.append({"role": "assistant", "content": self._answer(decoder, answer)})
@@ -111,7 +111,18 @@ class ChatSession:
             raise
         text = self._answer(decoder, answer)
         self.messages.append({"role": "assistant", "content": text})
+        if stats.stop == "stop string":
+            self._drop_stopped_tokens(out[:-1], text)
         return text, stats
+
+    def _drop_stopped_tokens(self, fed: list[int], text: str) -> None:
+        """After a stop string the cache holds the answer's tokens but the last; those that ran past the text kept
+        (a stop string over several tokens) go too, so that the next turn extends the cache."""
+        keep = len(fed)
+        while keep and not text.startswith(self.engine.tokenizer.decode(fed[:keep])):
+            keep -= 1
+        if keep < len(fed):
+            self.engine.rewind(len(self.engine.tokens) - (len(fed) - keep))
 
     @staticmethod
     def _answer(decoder, answer: StopText) -> str:

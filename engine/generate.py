@@ -100,6 +100,16 @@ class Engine:
             if ids:
                 self.forward(ids)
 
+    def rewind(self, length: int) -> None:
+        """Forget the tokens from `length` on; where a policy cannot (the 1/2-bit layers keep no exact copy of what
+        they quantized) the cache is emptied, and the next prompt rebuilds it."""
+        try:
+            self.cache.truncate(length)
+        except RuntimeError:
+            self.reset()
+            return
+        del self.tokens[length:]
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 256,
                  on_token: Callable[[int], bool | None] | None = None) -> tuple[list[int], TurnStats]:
         """Prefill prompt_ids, then sample until EOS, max_new_tokens or the context is full.
@@ -121,8 +131,7 @@ class Engine:
                     break
                 out.append(tok)
                 if on_token is not None and on_token(tok):
-                    st.stop = "stop string"
-                    self.forward([tok])
+                    st.stop = "stop string"  # not fed: the answer kept ends before the stop string, in this token
                     break
                 if len(out) >= max_new_tokens:
                     st.stop = "length"

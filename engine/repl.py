@@ -2,6 +2,7 @@
 the conversation through every error a turn can meet (Ctrl-C, context full, out of memory, bad input)."""
 from __future__ import annotations
 
+import functools
 import sys
 
 from rich.console import Console
@@ -10,6 +11,7 @@ from rich.markup import escape
 from tailorkv.engine.ui import err, fmt_bytes
 
 HELP = "/reset clears the chat, /stats shows the last turn's figures, /exit quits; Ctrl-C stops an answer, Ctrl-D exits"
+COMMANDS = ("/reset", "/stats", "/exit", "/quit", "/bye")
 ON_DEVICE_ALL = ("full", "quest")  # methods that keep every token's K and V on the device
 
 
@@ -55,6 +57,26 @@ def stats_text(chat, last) -> str:
     return "\n".join(lines)
 
 
+def read_line(con: Console) -> str:
+    if not _readline():
+        return con.input("[bold green]>>> [/]")
+    return input("\001\033[1;32m\002>>> \001\033[0m\002")  # \001 \002: what readline does not count as shown
+
+
+@functools.cache
+def _readline() -> bool:
+    """Whether the chat reads a terminal through readline: line editing and history, and a pasted line of any
+    length (the terminal's own line editing cuts one at 4095 bytes, silently)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return False
+    try:
+        import readline
+    except ImportError:
+        return False
+    readline.parse_and_bind("set enable-bracketed-paste off")  # pasted lines keep arriving one by one, as typed
+    return True
+
+
 def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = "", method_note: str = "") -> None:
     con = Console(highlight=False, soft_wrap=True)  # long lines wrap in the terminal, not at 80 columns in logs
     if hasattr(sys.stdin, "reconfigure"):
@@ -65,7 +87,7 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = 
     last = None
     while True:
         try:
-            text = con.input("[bold green]>>> [/]")  # undecodable bytes arrive as lone surrogates
+            text = read_line(con)  # undecodable bytes arrive as lone surrogates
         except EOFError:
             con.print()
             return
@@ -81,7 +103,7 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = 
             err.print("[bold red]error:[/] that line holds bytes that are not UTF-8 text: type it again "
                       "(the chat is kept)")
             continue
-        if cmd in ("/exit", "/quit", "/bye"):
+        if cmd in COMMANDS[2:]:
             return
         if cmd == "/reset":
             chat.reset()
@@ -92,9 +114,17 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = 
             con.print(f"[dim]{escape(stats_text(chat, last))}[/]")
             continue
         if cmd.startswith("/"):
-            con.print(f"[yellow]unknown command {escape(cmd.split()[0])}: {HELP}[/]")
+            word = cmd.split()[0]
+            what = "takes no arguments" if word in COMMANDS else "is not a command"
+            con.print(f"[yellow]{escape(word)} {what}: {HELP}[/]")
             continue
         last = turn(con, chat, text, max_new_tokens, stop) or last
+
+
+def _write(con: Console, text: str) -> None:
+    """A piece of the answer, straight to the terminal: rich's buffer, cut by a Ctrl-C, would print it again."""
+    con.file.write(text)
+    con.file.flush()
 
 
 def turn(con: Console, chat, text: str, max_new_tokens: int, stop: tuple[str, ...]):
@@ -103,12 +133,12 @@ def turn(con: Console, chat, text: str, max_new_tokens: int, stop: tuple[str, ..
     from tailorkv.engine.errors import InputError
     eng = chat.engine  # on every error below, chat.send has already kept the history and repaired the cache
     try:
-        _, stats = chat.send(text, max_new_tokens, stop, on_text=lambda s: con.out(s, end="", highlight=False))
+        _, stats = chat.send(text, max_new_tokens, stop, on_text=lambda s: _write(con, s))
         con.print()
         con.print(f"[dim]{turn_line(stats, eng)}[/]")
         note = context_full_note(stats, eng, "/reset the chat, or restart with a larger --ctx")
         if note:
-            err.print(f"[yellow]{escape(note)}[/]")
+            err.print(f"warning: {note}", style="yellow", markup=False)
         return stats
     except KeyboardInterrupt:
         con.print("\n[dim](stopped; the history is kept)[/]")

@@ -123,6 +123,35 @@ def test_stop_strings_are_neither_shown_nor_kept():
         assert s.push(p) is False
     assert s.finish() == "xy" and shown == ["x", "y"]  # no stop strings: every piece shown as it comes
 
+    def interrupted_while_shown(piece):
+        shown.append(piece)
+        raise KeyboardInterrupt
+    shown.clear()
+    s = StopText((), interrupted_while_shown)
+    with pytest.raises(KeyboardInterrupt):
+        s.push("Rome")
+    s.on_text = shown.append
+    assert s.finish() == "Rome" and shown == ["Rome"]  # shown once, not again when the answer is finished
+
+
+@pytest.mark.parametrize("method, stop, reprefill", [
+    ("full", ".", False),           # the stop string lies in the answer's last token, which is not fed
+    ("full", "capital of", False),  # over two tokens: the one fed past the kept text is cut from the cache
+    ("tailorkv", ".", False),
+    ("tailorkv", "capital of", True),  # 1/2-bit layers cannot cut a token: the next turn rebuilds the cache
+])
+def test_a_turn_after_a_stop_string_prefills_only_its_own_tokens(smol, method, stop, reprefill):
+    kw = dict(budget=256, sink=16, recent=32, quant_layers=[0]) if method == "tailorkv" else {}
+    chat = new_chat(smol, method, **kw)
+    eng = chat.engine
+    answer, stats = chat.send("What is the capital of France?", max_new_tokens=24, stop=(stop,))
+    assert stats.stop == "stop string" and stop not in answer
+    assert eng.cache.length == len(eng.tokens)
+    first = len(eng.tokens)
+    _, stats = chat.send("And of Germany?", max_new_tokens=4)
+    assert (stats.prompt_tokens > first) == reprefill
+    assert smol.tokenizer.decode(eng.tokens).startswith(chat.render(chat.messages[:-1]))
+
 
 def test_context_full_fixes_fit_the_case(smol):
     from tailorkv.engine.generate import ContextTooLong
@@ -135,3 +164,11 @@ def test_context_full_fixes_fit_the_case(smol):
     eng.forward(list(range(10, 60)))
     with pytest.raises(ContextTooLong, match=r"needs 70 tokens .*raise --ctx .* or /reset the chat .*fills the rest\)$"):
         eng.check_fits(20)  # the history is the cause: /reset helps, shortening a 20-token line would not
+
+
+def test_an_empty_system_message_replaces_the_templates_default(smol):
+    """--system "": an empty system message is given, so SmolLM2's template leaves out its default one."""
+    default = ChatSession(new_chat(smol).engine).render([{"role": "user", "content": "Hi"}])
+    chat = ChatSession(new_chat(smol).engine, system="")
+    empty = chat.render(chat.messages + [{"role": "user", "content": "Hi"}])
+    assert "SmolLM" in default and "SmolLM" not in empty and "<|im_start|>system\n<|im_end|>" in empty

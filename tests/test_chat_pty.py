@@ -44,7 +44,9 @@ class Terminal:
         return self.seen[start:i]
 
     def type(self, line: str) -> None:
-        os.write(self.master, (line + "\n").encode())
+        data = (line + "\n").encode()
+        while data:
+            data = data[os.write(self.master, data):]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -79,6 +81,24 @@ def test_three_turn_chat_recalls_the_name_and_does_not_loop():
             for s in set(sentences(answer)):
                 assert sentences(answer).count(s) <= 2, f"'{s}' repeated in: {answer}"
         assert "zorbak" in answers[2].lower(), answers
+        term.type("/exit")
+        assert term.proc.wait(timeout=30) == 0
+    finally:
+        term.close()
+
+
+@pytest.mark.slow
+def test_a_pasted_line_longer_than_the_terminals_own_line_limit_arrives_whole():
+    """A terminal's line editing keeps 4095 bytes of a line; the chat reads through readline, which keeps all."""
+    smollm2_gguf_or_skip()
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), TERM="xterm", COLUMNS="200")
+    term = Terminal([sys.executable, "-m", "tailorkv.cli", "run", "--device", "cpu", "--temp", "0", "-n", "2"], env)
+    try:
+        term.read_until(PROMPT, 180)
+        term.type("apple " * 1500 + "What is the capital of France?")
+        screen = plain(term.read_until(PROMPT, 300))
+        prefill = re.search(r"prefill (\d+) tok", screen)
+        assert prefill and int(prefill.group(1)) > 1500, screen[-2000:]
         term.type("/exit")
         assert term.proc.wait(timeout=30) == 0
     finally:
