@@ -51,7 +51,7 @@ def method_options(fn):
                      help=f"r channels per KV head, at most the head dimension ({_users('channels')})"),
         click.option("--quant-layers", default=None,
                      help=f"e.g. 0,1 (default: the layer profile's; {_users('quant_layers')})"),
-        click.option("--layer-profile", type=click.Path(dir_okay=False), default=None,
+        click.option("--layer-profile", default=None,
                      help="the layer profile, a JSON written by `tailorkv profile` (default: the model's shipped "
                           f"one, configs/profiles/NAME.json, where it has one) ({_users('layer_profile')})"),
         click.option("--select", type=click.Choice(SELECT_MODES), default=d.select, show_default=True,

@@ -110,6 +110,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_model_loads(tiny, t
     a_file.write_text("x")
     r = bench_cmd("--model", tiny, "--methods", "full", "--out", str(a_file / "sub"), *FAST[:8])
     assert_one_line_error(r, "a_file is a file, not a folder: choose another path")
+    r = bench_cmd("--model", tiny, "--methods", "full", "--out", str(a_file), *FAST[:8])
+    assert_one_line_error(r, "a_file is a file: give a folder")  # ours, exit 1 (was click's, exit 2)
     r = bench_cmd("--model", tiny, "--methods", "full", "--out", "", *FAST[:8])
     assert_one_line_error(r, "--out is empty")
     assert " parameters, " not in r.output

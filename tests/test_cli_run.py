@@ -293,7 +293,8 @@ def test_bad_layer_profiles_are_one_line_before_loading(tmp_path):
     cases = [(tmp_path / "missing.json", "no such file"), (tmp_path / "not.json", "is not a layer profile"),
              (tmp_path / "noquant.json", "is not a layer profile"), (tmp_path / "other.json", "model of 32 layers"),
              (tmp_path / "range.json", "quant_layers [40] lie outside layers 0..29"),
-             (tmp_path / "cos.json", "prediction_cos is not 30 cosines")]
+             (tmp_path / "cos.json", "prediction_cos is not 30 cosines"),
+             (tmp_path, "is a folder: give the profile's JSON file")]
     for path, needle in cases:
         res = call("run", "--method", "tailorkv", "--layer-profile", str(path), "-p", "hi", "--device", "cpu")
         assert_clean_error(res, f"--layer-profile {path}", needle)

@@ -422,6 +422,9 @@ def test_an_earlier_run_is_kept_unless_overwrite_or_resume(tiny_dir, tmp_path):
                           "a_file is a file, not a folder")
     assert_one_line_error(invoke("eval-merge", str(tmp_path), "--out", str(a_file / "sub")),
                           "a_file is a file, not a folder")
+    assert_one_line_error(invoke("eval-merge", str(a_file)), "a_file is a file: give the folder the shards wrote to")
+    assert_one_line_error(invoke("eval", "--model", tiny_dir, *COMMON, "--out", str(a_file)),
+                          "a_file is a file: give a folder")
     # eval-merge replaces an earlier merge, not a whole run's results
     assert_one_line_error(invoke("eval-merge", str(out)), "holds results that no merge wrote: pass --overwrite")
     assert (out / "eval.json").read_text() == '{"earlier": true}'

@@ -171,7 +171,7 @@ def register(main: click.Group) -> click.Command:
     @click.option("--gpu-mem-limit", default=None, help="cap device memory, weights included, e.g. 24GiB")
     @click.option("--hbm-gbps", type=float, default=4300.0, show_default=True, help="HBM bandwidth for the floor")
     @click.option("--pcie-gbps", type=float, default=55.0, show_default=True, help="PCIe bandwidth for the floor")
-    @click.option("--out", type=click.Path(file_okay=False), default=None,
+    @click.option("--out", default=None,
                   help="results folder (default bench/results/<date>-<model>/)")
     @click.option("--overwrite", is_flag=True, help="replace the results an earlier run left in --out")
     @click.option("--output", "-o", "fmt", type=click.Choice(["json", "md", "csv"]), default=None,

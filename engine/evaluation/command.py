@@ -102,7 +102,7 @@ def register(main: click.Group) -> list[click.Command]:
                   help="where the question goes: after the long text (RULER) or before and after it")
     @click.option("--fidelity-tokens", type=int, default=0, show_default=True,
                   help="also compare each method with full over N teacher-forced tokens of essay text (0: off)")
-    @click.option("--out", type=click.Path(file_okay=False), default=None,
+    @click.option("--out", default=None,
                   help="results folder (default eval/results/<date>-<model>/)")
     @click.option("--shard", default=None, help="i/n: run only items with index % n == i (then eval-merge)")
     @click.option("--resume", is_flag=True, help="keep the finished items of an interrupted run in --out and do "
@@ -119,8 +119,8 @@ def register(main: click.Group) -> list[click.Command]:
     eval_cmd.params = [p for p in eval_cmd.params if p.name != "method"]
 
     @main.command("eval-merge")
-    @click.argument("folder", type=click.Path(file_okay=False))
-    @click.option("--out", type=click.Path(file_okay=False), default=None, help="where to write (default FOLDER)")
+    @click.argument("folder")
+    @click.option("--out", default=None, help="where to write (default FOLDER)")
     @click.option("--partial", is_flag=True, help="merge what the shards finished even if items are left (the "
                   "result says complete: false; each table cell counts its samples)")
     @click.option("--overwrite", is_flag=True, help="replace an eval.json there that no merge wrote")
@@ -316,7 +316,8 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
     from tailorkv.engine.results import check_out
 
     if not os.path.isdir(folder):
-        raise ui.UserError(f"{folder}: no such folder")
+        raise ui.UserError(f"{folder} is a file: give the folder the shards wrote to" if os.path.exists(folder)
+                           else f"{folder}: no such folder")
     dest = check_out(out if out is not None else folder)
     target = os.path.join(dest, "eval.json")
     if os.path.exists(target) and not overwrite:  # an earlier merge is replaced; a whole run's results are not
