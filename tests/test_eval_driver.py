@@ -76,6 +76,9 @@ def test_parsers():
         P.parse_methods("full,magic")
     with pytest.raises(ValueError, match="unknown task"):
         P.parse_tasks("passkey,nope")
+    with pytest.raises(ValueError, match="--tasks is empty"):
+        P.parse_tasks(" , ")
+    assert P.parse_tasks(None) == list(P.TASKS)
 
 
 def test_prompt_format(tiny):

@@ -74,7 +74,12 @@ def parse_methods(text: str) -> list[str]:
 
 
 def parse_tasks(text: str | None) -> list[str]:
-    names = ui.split_list(text) or list(TASKS)
+    """None (no --tasks): every task."""
+    if text is None:
+        return list(TASKS)
+    names = ui.split_list(text)
+    if not names:
+        raise InputError(f"--tasks is empty: name at least one of {', '.join(TASKS)} (or leave --tasks out for all)")
     bad = [t for t in names if t not in TASKS]
     if bad:
         raise InputError(f"unknown task '{bad[0]}' in --tasks: choose from {', '.join(TASKS)}")
