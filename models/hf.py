@@ -31,6 +31,9 @@ def read_config(folder: str) -> ModelConfig:
     if hf.get("model_type") not in ("llama", "mistral", None) or (archs and not set(archs) & SUPPORTED):
         raise UnsupportedModel(f"{folder} holds a '{hf.get('model_type')}' model ({', '.join(archs)}); "
                                f"tailorkv runs Llama-architecture models (Llama, Yi, SmolLM2)")
+    act = hf.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):  # the MLP is SwiGLU: another activation would run, and answer, wrongly
+        raise UnsupportedModel(f"{path}: hidden_act '{act}' is not supported: tailorkv's Llama MLP uses SiLU")
     sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
              "vocab_size", "head_dim", "max_position_embeddings")
     hf = {k: v for k, v in hf.items() if v is not None}  # a null field is a missing one

@@ -87,6 +87,7 @@ def test_a_model_path_that_is_neither_folder_nor_hub_id(tmp_path):
     ({"hidden_size": "64"}, ["'hidden_size' is '64', not a positive whole number", "restore the file"]),
     ({"num_key_value_heads": 0}, ["'num_key_value_heads' is 0, not a positive whole number"]),
     ({"hidden_size": None}, ["lacks the field 'hidden_size'", "not a complete Llama config.json"]),
+    ({"hidden_act": "gelu"}, ["hidden_act 'gelu' is not supported", "uses SiLU"]),
 ])
 def test_a_config_tailorkv_cannot_run_is_one_line(tmp_path, change, needles):
     """A Hugging Face folder whose config.json asks for what the model code does not do: the model's error
