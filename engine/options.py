@@ -104,8 +104,8 @@ def given_knobs(ctx: click.Context) -> list[str]:
 def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
     """A knob given while no chosen method (or --select mode) uses it is an error (it would be ignored without a
     word)."""
-    from tailorkv.engine.settings import KNOB_USERS, SELECT_KNOBS
-    select = ctx.params.get("select") or "channels"
+    from tailorkv.engine.settings import KNOB_USERS, SELECT_KNOBS, MethodSettings
+    select = ctx.params.get("select") or MethodSettings.select
     for k in given_knobs(ctx):
         flag = "--" + k.replace("_", "-")
         if not set(KNOB_USERS[k]) & set(methods):

@@ -11,7 +11,8 @@ from rich.markup import escape
 from tailorkv.engine.ui import err, fmt_bytes
 
 HELP = "/reset clears the chat, /stats shows the last turn's figures, /exit quits; Ctrl-C stops an answer, Ctrl-D exits"
-COMMANDS = ("/reset", "/stats", "/exit", "/quit", "/bye")
+EXITS = ("/exit", "/quit", "/bye")
+COMMANDS = ("/reset", "/stats", *EXITS)
 ON_DEVICE_ALL = ("full", "quest")  # methods that keep every token's K and V on the device
 
 
@@ -103,7 +104,7 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = 
             err.print("[bold red]error:[/] that line holds bytes that are not UTF-8 text: type it again "
                       "(the chat is kept)")
             continue
-        if cmd in COMMANDS[2:]:
+        if cmd in EXITS:
             return
         if cmd == "/reset":
             chat.reset()

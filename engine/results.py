@@ -118,10 +118,12 @@ def numbered_dir(model_name: str, root: str, marker: str) -> str:
     return out
 
 
-def run_name(model: str, family: dict) -> str:
-    """What a command's default results folder is named after: a model path as given, else its config's name (or
-    the hub id)."""
-    return model if os.path.exists(model) else family.get("name") or model
+def results_dir(out: str | None, model: str, family: dict, root: str, marker: str):
+    """A command's results folder, as a context: --out as given (checked by the caller), else claimed_dir's
+    numbered folder under root, named after the model path as given, else its config's name (or the hub id)."""
+    if out is not None:
+        return contextlib.nullcontext(out)
+    return claimed_dir(model if os.path.exists(model) else family.get("name") or model, root, marker)
 
 
 def _lock(folder: str, marker: str) -> str:

@@ -172,8 +172,7 @@ def pick_device(device: str):
         raise UserError(f"--device '{device}' is not a device: use auto, cpu or cuda[:N]") from None
     if dev.type not in ("cpu", "cuda"):
         raise UserError(f"--device '{device}': tailorkv runs on a CPU or an NVIDIA GPU: use auto, cpu or cuda[:N]")
-    n = torch.cuda.device_count() if dev.type == "cuda" else 0
-    if dev.index is not None and dev.type == "cuda" and dev.index >= n:
+    if dev.type == "cuda" and dev.index is not None and dev.index >= (n := torch.cuda.device_count()):
         raise UserError(f"--device {device}: this machine has {n} GPU{'s' if n > 1 else ''}: use cuda:0"
                         + (f" .. cuda:{n - 1}" if n > 1 else ""))
     return dev

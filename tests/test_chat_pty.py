@@ -1,5 +1,6 @@
 """The chat as a person meets it: `tailorkv run` in a pseudo-terminal with the default sampling settings (a fixed
 seed), three turns typed at its prompt. It recalls the name given in turn 1 and never loops on a sentence."""
+import contextlib
 import os
 import pty
 import re
@@ -63,13 +64,23 @@ def sentences(text: str) -> list[str]:
     return [s.strip().lower() for s in re.split(r"(?<=[.!?])\s+|\n+", text) if len(s.strip()) > 3]
 
 
-@pytest.mark.slow
-def test_three_turn_chat_recalls_the_name_and_does_not_loop():
+@contextlib.contextmanager
+def chat(*flags: str):
+    """`tailorkv run` on SmolLM2 in a pseudo-terminal, past its banner (yielded with it); /exit ends it cleanly."""
     smollm2_gguf_or_skip()
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), TERM="xterm", COLUMNS="200")
-    term = Terminal([sys.executable, "-m", "tailorkv.cli", "run", "--device", "cpu", "--seed", "7", "-n", "48"], env)
+    term = Terminal([sys.executable, "-m", "tailorkv.cli", "run", "--device", "cpu", *flags], env)
     try:
-        banner = term.read_until(PROMPT, 180)
+        yield term, term.read_until(PROMPT, 180)
+        term.type("/exit")
+        assert term.proc.wait(timeout=30) == 0
+    finally:
+        term.close()
+
+
+@pytest.mark.slow
+def test_three_turn_chat_recalls_the_name_and_does_not_loop():
+    with chat("--seed", "7", "-n", "48") as (term, banner):
         assert "temp 0.2, top-k 40, top-p 0.9, min-p 0.05, repeat-penalty 1.1 over 64" in plain(banner)
         answers = []
         for text in TURNS:
@@ -81,25 +92,13 @@ def test_three_turn_chat_recalls_the_name_and_does_not_loop():
             for s in set(sentences(answer)):
                 assert sentences(answer).count(s) <= 2, f"'{s}' repeated in: {answer}"
         assert "zorbak" in answers[2].lower(), answers
-        term.type("/exit")
-        assert term.proc.wait(timeout=30) == 0
-    finally:
-        term.close()
 
 
 @pytest.mark.slow
 def test_a_pasted_line_longer_than_the_terminals_own_line_limit_arrives_whole():
     """A terminal's line editing keeps 4095 bytes of a line; the chat reads through readline, which keeps all."""
-    smollm2_gguf_or_skip()
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), TERM="xterm", COLUMNS="200")
-    term = Terminal([sys.executable, "-m", "tailorkv.cli", "run", "--device", "cpu", "--temp", "0", "-n", "2"], env)
-    try:
-        term.read_until(PROMPT, 180)
+    with chat("--temp", "0", "-n", "2") as (term, _):
         term.type("apple " * 1500 + "What is the capital of France?")
         screen = plain(term.read_until(PROMPT, 300))
         prefill = re.search(r"prefill (\d+) tok", screen)
         assert prefill and int(prefill.group(1)) > 1500, screen[-2000:]
-        term.type("/exit")
-        assert term.proc.wait(timeout=30) == 0
-    finally:
-        term.close()

@@ -2,7 +2,6 @@
 ui.py calls register(main)."""
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -242,14 +241,12 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     if given_out:
         R.check_free([os.path.join(R.check_out(out), f) for f in ("bench.json", *PLOTS)])
         R.refuse_existing(os.path.join(out, "bench.json"), overwrite)
-    claim = contextlib.nullcontext(out) if given_out else R.claimed_dir(R.run_name(model, family), "bench/results",
-                                                                         "bench.json")
-    with claim as out:
-        _measure(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit, hbm_gbps, pcie_gbps, out,
+    with R.results_dir(out, model, family, "bench/results", "bench.json") as out:
+        _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit, hbm_gbps, pcie_gbps, out,
                  given_out, seed, fmt, profile_steps, profile_prefill)
 
 
-def _measure(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit, hbm_gbps, pcie_gbps, out,
+def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit, hbm_gbps, pcie_gbps, out,
              given_out, seed, fmt, profile_steps, profile_prefill):
     """The sweep, its live table and its files in out, after every check passed."""
     import torch

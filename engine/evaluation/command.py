@@ -8,7 +8,6 @@ fidelity (teacher-forced comparison with full) and report (tables, PNGs). ui.py 
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import shlex
@@ -216,9 +215,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                                  for b in plan.budgets], cfg, click_ctx, family)
     for note in whole_context_notes(plan):
         ui.err.print(f"[yellow]{escape(note)}[/]")
-    claim = contextlib.nullcontext(out) if out is not None else R.claimed_dir(R.run_name(model, family),
-                                                                              "eval/results", "eval.json")
-    with claim as out:
+    with R.results_dir(out, model, family, "eval/results", "eval.json") as out:
         torch.manual_seed(plan.seed)
         loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev, cfg))
         D.check_methods(loaded, plan)

@@ -3,10 +3,10 @@ the first `settings.sink` tokens and the most recent `settings.budget - settings
 between is evicted for good. Prefill (and any multi-token step) attends exactly over what is held plus the new
 tokens (causal among the new ones); then the new tokens are stored and the window slides.
 
-Layout: one buffer of `budget` slots (the context's length when that is shorter), preallocated. Slots [0, sink) hold the sinks; slots [sink, budget) are a
-ring of the recent tokens (`head` is the next slot to write, `n_rec` how many are held). Invariant: while the
-ring is not full its tokens sit in slots [sink, sink + n_rec) and head == n_rec, so the held tokens are always
-slots [0, n_sink + n_rec). Decode keys are order-free (RoPE is already applied), so the ring needs no mask.
+Layout: one buffer of `budget` slots (the context's length when that is shorter), preallocated. Slots [0, sink)
+hold the sinks; slots [sink, budget) are a ring of the recent tokens (`head` is the next slot to write, `n_rec` how
+many are held). Invariant: while the ring is not full its tokens sit in slots [sink, sink + n_rec) and head ==
+n_rec, so the held tokens are always slots [0, n_sink + n_rec). Decode keys are order-free (RoPE is already applied), so the ring needs no mask.
 
 Positions: we cache post-RoPE keys, so every key keeps its ORIGINAL position. The original StreamingLLM
 re-assigns positions within the cache (a query sees keys at 0..budget-1); with sink + recent within the model's
