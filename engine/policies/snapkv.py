@@ -16,6 +16,10 @@ Device buffer: allocated at the first prefill, never per token: min(P, budget) +
 prompt of P tokens (the kept prompt plus room to generate up to max_len). Later turns never need more: after a
 turn ending at length L at most budget + (max_len - L) slots are used. `pos` keeps each slot's original
 position. `truncate` can only forget tokens appended since the last compression.
+
+A decode step is graph-safe: plan makes room and hands the token's slot and the held count to the device (a
+reallocated buffer changes the step's key, so no graph of the old one replays), run stores the token and attends
+over a bucket of slots with a device-side length, commit counts it.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ import torch.nn.functional as F
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.engine.settings import MethodSettings
-from tailorkv.ops.attention import attention_with_mask, causal_attention, group_probs
+from tailorkv.engine.step import bucket_for
+from tailorkv.ops.attention import attend_decode, causal_attention, group_probs
+from tailorkv.ops.kv_store import store_kv
 
 
 def snap_scores(q_win: torch.Tensor, k: torch.Tensor, pool: int) -> torch.Tensor:
@@ -43,11 +49,14 @@ def snap_scores(q_win: torch.Tensor, k: torch.Tensor, pool: int) -> torch.Tensor
 class SnapKVCache(LayerCache):
     name = "snapkv"
     selects_tokens = True
+    graph_safe = True
 
     def __init__(self, spec: LayerSpec, settings: MethodSettings):
         super().__init__(spec)
         self.budget, self.window, self.pool = settings.budget, settings.snap_window, settings.snap_pool
         self.k = self.v = self.pos = None  # allocated at the first prefill
+        self.slot = torch.zeros(1, dtype=torch.long, device=spec.device)   # a decode step's slot and held count
+        self.count = torch.zeros((), dtype=torch.long, device=spec.device)
         self.reset()
 
     def reset(self) -> None:
@@ -74,34 +83,42 @@ class SnapKVCache(LayerCache):
 
     def plan(self, step):
         self.last = {"tokens_attended": self.n + step.n}
-        self._undo = (self.n, self.seen)  # a decode step appends during run: abort forgets it
-        return None
+        if not step.decode:
+            return None
+        self._ensure(self.n + 1 + self.spec.max_len - step.end)
+        self.slot.fill_(self.n)
+        self.count.fill_(self.n + 1)
+        self._bucket = bucket_for(self.n + 1, self.k.shape[2])
+        return self._bucket, self.k.data_ptr()
+
+    def run(self, q, k, v, step):
+        T, end = step.n, step.end
+        new_pos = step.positions.expand(k.shape[0], k.shape[1], T)
+        if step.decode:  # device work only: the count moves in commit
+            store_kv(self.k, self.v, self.slot, k, v)
+            self.pos.index_copy_(2, self.slot, new_pos)
+            n = self._bucket
+            return attend_decode(q, self.k[:, :, :n], self.v[:, :, :n], self.count)
+        kh, vh, ph = self.held() if self.n else (k[:, :, :0], v[:, :, :0], new_pos[..., :0])
+        kk, vv = (torch.cat([kh, k], 2), torch.cat([vh, v], 2)) if self.n else (k, v)
+        out = causal_attention(q, kk, vv, self.n)
+        total = self.n + T
+        if total <= self.budget:
+            self._ensure(total + self.spec.max_len - end)
+            self._append(k, v, new_pos)
+        else:
+            self._compress(q[:, :, -min(self.window, T):], kk, vv, torch.cat([ph, new_pos], 2), end)
+        self.seen = end
+        return out
+
+    def commit(self, step) -> None:
+        if step.decode:
+            self.n += 1
+            self.seen = step.end
 
     def abort(self, step) -> None:
         if not step.decode:
-            return super().abort(step)
-        self.n, self.seen = self._undo
-
-    def run(self, q, k, v, step):
-        """Eager only (the held count grows with every token)."""
-        T, end = step.n, step.end
-        new_pos = step.positions.expand(k.shape[0], k.shape[1], T)
-        if step.decode:
-            self._ensure(self.n + 1 + self.spec.max_len - end)
-            self._append(k, v, new_pos)
-            out = attention_with_mask(q, self.k[:, :, :self.n], self.v[:, :, :self.n])
-        else:
-            kh, vh, ph = self.held() if self.n else (k[:, :, :0], v[:, :, :0], new_pos[..., :0])
-            kk, vv = (torch.cat([kh, k], 2), torch.cat([vh, v], 2)) if self.n else (k, v)
-            out = causal_attention(q, kk, vv, self.n)
-            total = self.n + T
-            if total <= self.budget:
-                self._ensure(total + self.spec.max_len - end)
-                self._append(k, v, new_pos)
-            else:
-                self._compress(q[:, :, -min(self.window, T):], kk, vv, torch.cat([ph, new_pos], 2), end)
-        self.seen = end
-        return out
+            return super().abort(step)  # a decode step wrote only its slot beyond the held ones
 
     def _append(self, k, v, pos) -> None:
         T = k.shape[2]

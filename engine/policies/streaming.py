@@ -14,6 +14,11 @@ context the difference is small. Equals `full` while length <= budget.
 
 With `settings.free_generated` the window holds prompt tokens only (those of multi-token steps): every token
 decoded since is kept beside it and attended on top; the next multi-token step moves them into the window.
+
+A decode step is graph-safe (without free_generated): plan picks the token's slot and the held count after it on
+the host and hands them to the device (and saves the ring slot the token evicts, for abort); run stores the token
+and attends over a bucket of slots with a device-side length; commit advances the counters. With free_generated
+the decoded tokens grow a list, so its steps run eagerly.
 """
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.engine.settings import MethodSettings
-from tailorkv.ops.attention import attention_with_mask, causal_attention
+from tailorkv.engine.step import bucket_for
+from tailorkv.ops.attention import attend_decode, attention_with_mask, causal_attention
+from tailorkv.ops.kv_store import store_kv
 
 
 class StreamingCache(LayerCache):
@@ -38,6 +45,10 @@ class StreamingCache(LayerCache):
         self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros_like(self.k)
         self.free_generated = settings.free_generated
+        self.graph_safe = not self.free_generated
+        self.slot = torch.zeros(1, dtype=torch.long, device=spec.device)   # a decode step's slot and held count
+        self.count = torch.zeros((), dtype=torch.long, device=spec.device)
+        self.saved = torch.zeros(2, *shape[:2], 1, shape[3], dtype=spec.dtype, device=spec.device)  # the evicted
         self.reset()
 
     def reset(self) -> None:
@@ -64,31 +75,40 @@ class StreamingCache(LayerCache):
         return 0 if self.gen_k is None else self.gen_k.shape[2]
 
     def plan(self, step):
-        if step.decode:  # what abort restores: the counters, and the ring slot the store evicts (run sets it)
-            self._undo, self._evicted = (self.seen, self.n_sink, self.n_rec, self.head, self.gen_k, self.gen_v), None
-        if step.decode and self.free_generated:
+        if step.decode and self.free_generated:  # what abort restores: run appends to the decoded tokens
+            self._undo = (self.seen, self.gen_k, self.gen_v)
             self.last = {"tokens_attended": self.held + self.n_gen + 1}
-        elif step.decode:
-            attended = min(self.sink, self.n_sink + 1) + min(self.cap, self.n_rec + (self.n_sink >= self.sink))
-            self.last = {"tokens_attended": attended}
-        else:
+            return None
+        if not step.decode:
             self.last = {"tokens_attended": self.held + self.n_gen + step.n}
-        return None
+            return None
+        if self.n_sink < self.sink:
+            slot, after = self.n_sink, (self.n_sink + 1, self.n_rec, self.head)
+        else:
+            slot, after = self.sink + self.head, (self.n_sink, min(self.cap, self.n_rec + 1), (self.head + 1) % self.cap)
+        self._evicts = self.n_sink == self.sink and self.n_rec == self.cap
+        if self._evicts:  # the ring is full: its oldest token goes, kept here until commit
+            self.saved[0].copy_(self.k[:, :, slot:slot + 1])
+            self.saved[1].copy_(self.v[:, :, slot:slot + 1])
+        self._slot, self._after = slot, after
+        held = after[0] + after[1]
+        self.slot.fill_(slot)
+        self.count.fill_(held)
+        self._bucket = bucket_for(held, self.budget)
+        self.last = {"tokens_attended": held}
+        return self._bucket
 
     def run(self, q, k, v, step):
-        """Eager only (the held count grows until the ring is full)."""
-        if step.decode and self.free_generated:
+        if step.decode and not self.free_generated:  # device work only: the counters move in commit
+            store_kv(self.k, self.v, self.slot, k, v)
+            n = self._bucket
+            return attend_decode(q, self.k[:, :, :n], self.v[:, :, :n], self.count)
+        if step.decode:
             self.gen_k = k if self.gen_k is None else torch.cat([self.gen_k, k], 2)
             self.gen_v = v if self.gen_v is None else torch.cat([self.gen_v, v], 2)
             n = self.held
             out = attention_with_mask(q, torch.cat([self.k[:, :, :n], self.gen_k], 2),
                                       torch.cat([self.v[:, :, :n], self.gen_v], 2))
-        elif step.decode:
-            if self.n_sink == self.sink and self.n_rec == self.cap:  # the ring is full: its oldest token goes
-                slot = self.sink + self.head
-                self._evicted = slot, self.k[:, :, slot].clone(), self.v[:, :, slot].clone()
-            self._store(k, v)
-            out = attention_with_mask(q, self.k[:, :, :self.held], self.v[:, :, :self.held])
         else:
             self._fold_generated()
             n = self.held
@@ -98,6 +118,11 @@ class StreamingCache(LayerCache):
             self._store(k, v)
         self.seen = step.end
         return out
+
+    def commit(self, step) -> None:
+        if step.decode and not self.free_generated:
+            self.n_sink, self.n_rec, self.head = self._after
+            self.seen = step.end
 
     def _fold_generated(self) -> None:
         """The decoded tokens join the window (in order), before a multi-token step's tokens."""
@@ -128,13 +153,14 @@ class StreamingCache(LayerCache):
         self.n_rec = min(self.cap, self.n_rec + m)
 
     def abort(self, step) -> None:
-        """A decode step stored its token during run (evicting the ring's oldest when full): put both back."""
+        """A decode step wrote its token's slot (evicting the ring's oldest when full): put that back."""
         if not step.decode:
             return super().abort(step)
-        self.seen, self.n_sink, self.n_rec, self.head, self.gen_k, self.gen_v = self._undo
-        if self._evicted is not None:
-            slot, k, v = self._evicted
-            self.k[:, :, slot], self.v[:, :, slot] = k, v
+        if self.free_generated:
+            self.seen, self.gen_k, self.gen_v = self._undo
+        elif self._evicts:
+            slot = self._slot
+            self.k[:, :, slot:slot + 1], self.v[:, :, slot:slot + 1] = self.saved[0], self.saved[1]
 
     def truncate(self, length: int) -> None:
         """Forget the newest tokens. Only possible while all of them are still held; afterwards the recent

@@ -1,0 +1,77 @@
+"""The baselines' decode steps on the path CUDA graphs capture: streamingllm and snapkv store their token and
+attend over a bucket of slots with a device-side length, so a step run again changes nothing, an aborted step
+leaves no trace, and on a GPU the captured graphs equal eager decoding bit for bit (free_generated stays eager)."""
+import pytest
+import torch
+
+from tailorkv.engine.methods import build_cache
+from tailorkv.engine.runner import Runner
+from tailorkv.engine.settings import MethodSettings
+from tailorkv.models.loader import load_model
+from helpers import write_tiny_folder
+from test_decode_paths import _decode_both, _decode_repeating
+
+# budgets far below the prompt: streamingllm's ring wraps, snapkv compresses the prompt then appends
+SETTINGS = {"streamingllm": MethodSettings("streamingllm", budget=96, sink=8),
+            "snapkv": MethodSettings("snapkv", budget=96, snap_window=8)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_baselines")
+    write_tiny_folder(folder, seed=9, hidden=128, n_heads=4, n_kv=2, head_dim=32, max_pos=2048)
+    return str(folder)
+
+
+@pytest.mark.parametrize("method", list(SETTINGS))
+def test_a_decode_step_run_again_changes_nothing(tiny, method):
+    """A graph's capture runs a step three times (two warm-ups, then the capture); before, streamingllm slid its
+    window and snapkv appended on every run."""
+    lm = load_model(tiny, dtype=torch.float32)
+    ids = torch.randint(3, 300, (1, 420), generator=torch.Generator().manual_seed(4))
+    once = _decode_repeating(lm, SETTINGS[method], ids, 300, 500, 1)
+    thrice = _decode_repeating(lm, SETTINGS[method], ids, 300, 500, 3)
+    assert all(torch.equal(a, b) for a, b in zip(once, thrice))
+
+
+@pytest.mark.parametrize("method", list(SETTINGS))
+def test_an_aborted_decode_step_leaves_no_trace(tiny, method):
+    """Steps interrupted after their run (another token at each position first, then aborted) give the same
+    logits as a cache that never saw them, while the ring wraps and evicts."""
+    lm = load_model(tiny, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 300, (1, 330), generator=g)
+    other = torch.randint(3, 300, (1, 330), generator=g)
+    logits = []
+    for interrupt in (False, True):
+        cache = build_cache(lm, SETTINGS[method], 400)
+        runner = Runner(lm.model, cache, use_cuda_graph=False)
+        runner.prefill(ids[:, :200])
+        out = []
+        for p in range(200, 330):
+            if interrupt:
+                step = cache.begin(1, torch.tensor([p]))
+                lm.model(other[:, p:p + 1], step, cache)
+                cache.abort(step)
+                assert cache.intact and cache.length == p
+            out.append(runner.decode(ids[:, p:p + 1]).clone())
+        logits.append(out)
+    assert all(torch.equal(a, b) for a, b in zip(*logits))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", list(SETTINGS))
+def test_cuda_graph_decode_equals_eager(tiny, method):
+    lm = load_model(tiny, device="cuda", dtype=torch.float32)
+    ids = torch.randint(3, 300, (1, 700), device="cuda")
+    eager, graphed, n_graphs = _decode_both(lm, SETTINGS[method], ids, 400, 800)
+    for a, b in zip(eager, graphed):  # the same kernels on the same inputs: bit-equal
+        assert torch.equal(b, a)
+    assert 1 <= n_graphs <= 8
+
+
+@pytest.mark.cuda
+def test_free_generated_streaming_decodes_eagerly(tiny):
+    lm = load_model(tiny, device="cuda", dtype=torch.float32)
+    cache = build_cache(lm, MethodSettings("streamingllm", budget=96, sink=8, free_generated=True), 400)
+    assert not cache.graph_safe and Runner(lm.model, cache).graphs is None
