@@ -48,7 +48,9 @@ class StreamingCache(LayerCache):
         self.graph_safe = not self.free_generated
         self.slot = torch.zeros(1, dtype=torch.long, device=spec.device)   # a decode step's slot and held count
         self.count = torch.zeros((), dtype=torch.long, device=spec.device)
-        self.saved = torch.zeros(2, *shape[:2], 1, shape[3], dtype=spec.dtype, device=spec.device)  # the evicted
+        # the token a decode step evicts, kept for abort: taken by the step's first run only (`fresh`, set by plan)
+        self.saved = torch.zeros(2, *shape[:2], 1, shape[3], dtype=spec.dtype, device=spec.device)
+        self.fresh = torch.zeros((), dtype=torch.bool, device=spec.device)
         self.reset()
 
     def reset(self) -> None:
@@ -86,10 +88,9 @@ class StreamingCache(LayerCache):
             slot, after = self.n_sink, (self.n_sink + 1, self.n_rec, self.head)
         else:
             slot, after = self.sink + self.head, (self.n_sink, min(self.cap, self.n_rec + 1), (self.head + 1) % self.cap)
-        self._evicts = self.n_sink == self.sink and self.n_rec == self.cap
-        if self._evicts:  # the ring is full: its oldest token goes, kept here until commit
-            self.saved[0].copy_(self.k[:, :, slot:slot + 1])
-            self.saved[1].copy_(self.v[:, :, slot:slot + 1])
+        self._evicts = self.n_sink == self.sink and self.n_rec == self.cap  # the ring is full: its oldest goes
+        if self._evicts:
+            self.fresh.fill_(True)
         self._slot, self._after = slot, after
         held = after[0] + after[1]
         self.slot.fill_(slot)
@@ -100,6 +101,8 @@ class StreamingCache(LayerCache):
 
     def run(self, q, k, v, step):
         if step.decode and not self.free_generated:  # device work only: the counters move in commit
+            if self._evicts:
+                self._keep_evicted()
             store_kv(self.k, self.v, self.slot, k, v)
             n = self._bucket
             return attend_decode(q, self.k[:, :, :n], self.v[:, :, :n], self.count)
@@ -118,6 +121,12 @@ class StreamingCache(LayerCache):
             self._store(k, v)
         self.seen = step.end
         return out
+
+    def _keep_evicted(self) -> None:
+        """Copy the slot's token to `saved` on the step's first run only (device work, no host reads)."""
+        for i, buf in enumerate((self.k, self.v)):
+            self.saved[i].copy_(torch.where(self.fresh, buf.index_select(2, self.slot), self.saved[i]))
+        self.fresh.fill_(False)
 
     def commit(self, step) -> None:
         if step.decode and not self.free_generated:
