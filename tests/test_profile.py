@@ -283,9 +283,10 @@ def test_cli_empty_data_and_bad_tau(cli_main, tiny_dir, tmp_path):
     r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu",
                                       "--data", str(empty), "--out", str(out)])
     assert "empty" in _one_error_line(r)
-    r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--tau", "1.5",
-                                      "--out", str(out)])
-    assert "--tau" in _one_error_line(r)
+    for tau in ("1.5", "1e-9"):  # 1e-9: P's float noise on a layer that keeps every row's mass would pass it
+        r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--tau", tau,
+                                          "--out", str(out)])
+        assert "--tau" in _one_error_line(r) and "[0.001, 1)" in _one_error_line(r)
     assert sorted(os.listdir(tmp_path)) == ["empty.txt"]
 
 

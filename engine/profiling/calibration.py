@@ -139,9 +139,13 @@ def quant_layers_of(p: list[float], tau: float) -> list[int]:
     return [i for i, x in enumerate(p) if x > tau]
 
 
+TAU_FLOOR = 1e-3  # fp32 sums of a row's kept mass leave P ~1e-7 on a layer that keeps all of it
+
+
 def validate(n_q: int, top: float, tau: float) -> None:
-    if not 0.0 < tau < 1.0:
-        raise InputError(f"--tau must lie strictly between 0 and 1, got {tau}")
+    if not TAU_FLOOR <= tau < 1.0:
+        raise InputError(f"--tau must lie in [{TAU_FLOOR:g}, 1), got {tau:g}: a P below {TAU_FLOOR:g} is within the "
+                         f"rounding of the attention sums (a layer whose top keys hold all of its attention would pass it); e.g. --tau {DEFAULT_TAU:g}")
     if not 0.0 < top <= 1.0:
         raise InputError(f"--top must be a fraction of the keys in (0, 1], got {top}")
     if n_q < 1:

@@ -30,7 +30,7 @@ def register(main) -> None:
     @click.option("--data", default=None,
                   help="calibration text file (UTF-8; - reads stdin)  [default: the built-in text]")
     @click.option("--tau", type=float, default=DEFAULT_TAU, show_default=True,
-                  help="P above tau = quantization-friendly layer")
+                  help="P above tau = quantization-friendly layer (0.001 <= tau < 1)")
     @click.option("--length", type=int, default=None,
                   help=f"calibration tokens  [default: {DEFAULT_LENGTH}, capped by the model's context]")
     @click.option("--n-q", "n_q", type=int, default=DEFAULT_N_Q, show_default=True,
