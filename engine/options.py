@@ -196,6 +196,16 @@ def peek(model: str, weights, random_weights: bool):
         raise UserError(str(e)) from None
 
 
+def peek_tokenizer(model: str, weights, random_weights: bool):
+    """The model's tokenizer (None where it has none) before its weights load (LoadError -> one line)."""
+    from tailorkv.models.errors import LoadError
+    from tailorkv.models.loader import load_tokenizer
+    try:
+        return load_tokenizer(model, weights, random_weights)
+    except LoadError as e:
+        raise UserError(str(e)) from None
+
+
 def model_defaults(settings, family: dict):
     """settings with the knobs the user left out taken from the model's config (its "bits"); a bad value there
     -> one line naming the file and the field."""

@@ -143,11 +143,7 @@ def load_model(name: str = DEFAULT_MODEL, weights: str | None = None, random_wei
     cfg = hf.read_config(path)
     check_family(family, cfg, path)
     shards = hf.shard_files(path)
-    tok = None
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):  # read first: a mismatch is known before the weights
-        from tailorkv.models.tokenizer import Tokenizer
-        tok = Tokenizer.from_hf_folder(path)
-        check_vocabulary(tok, cfg, os.path.join(path, "tokenizer.json"))
+    tok = _hf_tokenizer(path, cfg)  # read first: a mismatch is known before the weights
     model = _place(cfg, hf.iter_tensors(shards), hf.tensor_count(shards), device, dtype, progress)
     from tailorkv.models.hub import looks_like_hub_id
     label = family.get("name") or (name if looks_like_hub_id(name) else cfg.name)
@@ -270,6 +266,27 @@ def _random_model(cfg: ModelConfig, device, dtype, seed: int) -> Llama:
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
     return _finish(model, device)
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL, weights: str | None = None, random_weights: bool = False):
+    """The tokenizer that load_model gives (None where it gives none), without reading the weights."""
+    family, path = resolve(name, weights, random_weights)
+    if random_weights:
+        return _fallback_tokenizer(ModelConfig.from_dict(family["arch"]) if family else _config_of(path))
+    if path.endswith(".gguf"):
+        from tailorkv.models.gguf import gguf_tokenizer
+        return gguf_tokenizer(path)
+    from tailorkv.models import hf
+    return _hf_tokenizer(path, hf.read_config(path))
+
+
+def _hf_tokenizer(path: str, cfg: ModelConfig):
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    from tailorkv.models.tokenizer import Tokenizer
+    tok = Tokenizer.from_hf_folder(path)
+    check_vocabulary(tok, cfg, os.path.join(path, "tokenizer.json"))
+    return tok
 
 
 def require_tokenizer(loaded: LoadedModel):

@@ -523,3 +523,12 @@ def test_budgets_that_cover_the_whole_context_are_named():
     plan = P.EvalPlan(lengths=[512, 2048], methods=["full", "tailorkv"], tasks=["passkey"], samples=1,
                       budgets=parse_budgets("25%"))
     assert whole_context_notes(plan) == []
+
+
+def test_a_length_too_short_for_a_task_is_refused_before_loading(tiny_dir):
+    """--lengths 64 passes the argument check (at least 64 tokens) but leaves passkey's prompt no room: found
+    from the tokenizer alone, before the weights load (it used to fail after them)."""
+    r = invoke("eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "64", "--samples", "1",
+               "--tasks", "passkey", "--methods", "full")
+    assert_one_line_error(r, "--lengths 64 is too short: passkey: the prompt needs", "use a longer length")
+    assert "loading" not in r.output

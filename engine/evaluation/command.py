@@ -215,6 +215,9 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                                  for b in plan.budgets], cfg, click_ctx, family)
     for note in whole_context_notes(plan):
         ui.err.print(f"[yellow]{escape(note)}[/]")
+    tok = options_mod.peek_tokenizer(model, weights, random_weights)
+    if tok is not None:  # the shortest length's samples, before the weights load: one too short fails here
+        prompts.build_suites(tok, plan, lengths=[min(plan.lengths)])
     with R.results_dir(out, model, family, "eval/results", "eval.json") as out:
         torch.manual_seed(plan.seed)
         loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev, cfg))

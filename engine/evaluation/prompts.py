@@ -53,7 +53,10 @@ def build_suites(tokenizer, plan, lengths: Iterable[int] | None = None) -> dict[
         suite: list[Sample] = []
         for task in plan.tasks:
             room = n - plan.max_new(task)
-            probe = make_suite(tokenizer, room, 1, plan.seed, tasks=[task])[0]
+            try:
+                probe = make_suite(tokenizer, room, 1, plan.seed, tasks=[task])[0]
+            except InputError as e:
+                raise InputError(f"--lengths {n} is too short: {e}") from None
             overhead = len(prompt_ids(tokenizer, probe, plan.question)) - probe.n_tokens
             target = room - overhead
             if target < 16:

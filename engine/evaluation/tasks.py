@@ -64,8 +64,8 @@ def _fit(measure: Callable[[int], int], target: int, task: str) -> int:
     t0 = measure(0)
     if t0 >= target:
         if t0 > target * (1 + TOLERANCE):
-            raise InputError(f"{task}: the prompt needs {t0} tokens without any filler, more than the "
-                             f"target {target}; ask for a longer length")
+            raise InputError(f"{task}: the prompt needs {t0} tokens without any filler, more than the {target} it "
+                             f"may have; use a longer length")
         return 0
     lo, hi = 0, 64
     while measure(hi) <= target:  # grow by linear extrapolation until the target is bracketed
