@@ -59,8 +59,6 @@ class QuestCache(LayerCache):
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self._update_pages(start, end)
-        if not step.decode:
-            self.prompt_end = end
         paged = self._paged(end)
         if not step.decode or paged <= self.budget:
             return causal_attention(q, self.k[:, :, :end], self.v[:, :, :end], start)
@@ -83,6 +81,10 @@ class QuestCache(LayerCache):
         shape = (*seg.shape[:2], p1 - p0, self.page, seg.shape[3])
         self.kmin[:, :, p0:p1] = F.pad(seg, (0, 0, 0, pad), value=float("inf")).reshape(shape).amin(3)
         self.kmax[:, :, p0:p1] = F.pad(seg, (0, 0, 0, pad), value=float("-inf")).reshape(shape).amax(3)
+
+    def commit(self, step) -> None:
+        if not step.decode:
+            self.prompt_end = step.end
 
     def reset(self) -> None:
         super().reset()
