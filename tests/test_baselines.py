@@ -377,6 +377,122 @@ def test_quest_picks_the_page_with_a_planted_key(gen, hq, hkv):
     assert cache.device_bytes() > full.device_bytes()
 
 
+# quest's decode steps are graph-safe: run reads only the device step (positions, lengths), the bucket and what plan
+# set, is idempotent, and a step aborted after run leaves nothing behind
+def quest_expected(q, K, V, L, page, budget):
+    """Quest's rule computed from scratch at a decode step holding L tokens: (output [B, Hq, 1, D], the attended
+    token indices [B, H, n], ascending): the page bounds from the keys, the last page and the top whole pages."""
+    B, H = K.shape[:2]
+    P = math.ceil(L / page)
+    padded = F.pad(K[:, :, :L], (0, 0, 0, P * page - L), value=float("nan")).reshape(B, H, P, page, D)
+    scores = page_scores(q[:, :, 0], padded.nan_to_num(float("inf")).amin(3),
+                         padded.nan_to_num(float("-inf")).amax(3))
+    if L <= budget:
+        idx = torch.arange(L).expand(B, H, L)
+    else:
+        last_count = L - (P - 1) * page
+        n_top = max(0, min(P - 1, (budget - last_count) // page))
+        top = scores[..., :P - 1].topk(n_top, -1).indices.sort(-1).values
+        idx = torch.cat([(top[..., None] * page + torch.arange(page)).reshape(B, H, -1),
+                         torch.arange((P - 1) * page, L).expand(B, H, last_count)], -1)
+    g = idx.unsqueeze(-1).expand(-1, -1, -1, D)
+    return attention_with_mask(q, K.gather(2, g), V.gather(2, g)), idx
+
+
+def quest_model_cache(spec, **kw):
+    from tailorkv.engine.cache import ModelCache
+    return ModelCache([QuestCache(spec, settings(**kw))])
+
+
+def quest_step(mc, Q, K, V, s, e, runs=1, run_as=None):
+    """One step of tokens [s, e) with its run repeated `runs` times; run_as(step): the Step run sees."""
+    step = mc.begin(e - s)
+    for _ in range(runs):
+        out = mc.attend(0, Q[:, :, s:e], K[:, :, s:e], V[:, :, s:e], step if run_as is None else run_as(step))
+    mc.finish(step)
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_quest_graph_safe_decode_equals_the_rule(gen, hq, hkv):
+    """A prompt longer than the budget, decode steps across a bucket boundary, a second turn, more decode steps:
+    each equals the rule computed from the keys (same tokens, exact attention over them)."""
+    page, budget = 16, 64
+    spec = make_spec(hq, hkv, max_len=300)
+    mc = quest_model_cache(spec, budget=budget, page=page)
+    policy = mc.layers[0]
+    assert policy.graph_safe and not QuestCache(spec, settings(free_generated=True)).graph_safe
+    Q, K, V = make_qkv(gen, spec.batch, hq, hkv, spec.max_len)
+    quest_step(mc, Q, K, V, 0, 180)
+    steps = decode_steps(180, 50) + [(230, 240)] + decode_steps(240, 30)
+    for s, e in steps:
+        out = quest_step(mc, Q, K, V, s, e)
+        if e - s > 1:
+            continue
+        want, idx = quest_expected(Q[:, :, s:e], K, V, e, page, budget)
+        assert rel_err(out, want) < 1e-5, (s, e)
+        assert torch.equal(policy.selected, idx) and policy.stats()["tokens_attended"] == idx.shape[-1]
+
+
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_quest_decode_step_is_idempotent_and_reads_only_the_device_step(gen, hq, hkv):
+    """Running a step's run three times (a graph capture's two warm-ups and the capture) changes nothing; nor does
+    running it with the host ints (start) of the first step of its key, as a replayed graph does. The steps cross
+    page boundaries, the budget (dense -> sparse) and a bucket boundary (256 -> 300)."""
+    from dataclasses import replace
+    spec = make_spec(hq, hkv, max_len=300)
+    Q, K, V = make_qkv(gen, spec.batch, hq, hkv, spec.max_len)
+    outs = []
+    for runs, replay in ((1, False), (3, False), (1, True)):
+        mc = quest_model_cache(spec, budget=64, page=16)
+        quest_step(mc, Q, K, V, 0, 40)
+        first = {}
+        run_as = (lambda st: replace(first.setdefault(st.key, st), positions=st.positions,
+                                     lengths=st.lengths)) if replay else None
+        outs.append([quest_step(mc, Q, K, V, s, e, runs, run_as) for s, e in decode_steps(40, 260)])
+        assert len(first) in (0, 3)  # (256, dense), (256, sparse), (300, sparse)
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def test_quest_aborted_decode_step_leaves_nothing(gen):
+    """A decode step planned and run with an outlier key, then aborted, and the real token at its position (or a
+    second turn from it): the outputs and page bounds equal those of a cache that never saw the aborted steps."""
+    hq, hkv, page, budget = 8, 2, 16, 48
+    spec = make_spec(hq, hkv, max_len=160)
+    Q, K, V = make_qkv(gen, spec.batch, hq, hkv, spec.max_len)
+    Qx, Kx, Vx = make_qkv(gen, spec.batch, hq, hkv, spec.max_len)
+    Kx = Kx * 50  # would widen its page's bounds and win the selection if it stayed
+    clean, aborted = (quest_model_cache(spec, budget=budget, page=page) for _ in range(2))
+    for mc in (clean, aborted):
+        quest_step(mc, Q, K, V, 0, 20)
+    aborts = {20, 31, 32, 47, 48, 49, 63, 64, 80, 100}  # a page's last and first tokens, the budget, a second turn
+    steps = decode_steps(20, 80) + [(100, 110)] + decode_steps(110, 30)
+
+    def check(s, e):
+        a, b = quest_step(aborted, Q, K, V, s, e), quest_step(clean, Q, K, V, s, e)
+        assert torch.equal(a, b), (s, e)
+        P = math.ceil(e / page)  # the bounds too, the last page's included (read once it is no longer the last)
+        for name in ("kmin", "kmax"):
+            assert torch.equal(getattr(aborted.layers[0], name)[:, :, :P], getattr(clean.layers[0], name)[:, :, :P])
+    for s, e in steps:
+        if s in aborts:
+            step = aborted.begin(1)
+            aborted.attend(0, Qx[:, :, s:s + 1], Kx[:, :, s:s + 1], Vx[:, :, s:s + 1], step)
+            aborted.abort(step)
+            assert aborted.length == s
+        check(s, e)
+    # a step aborted at 140, then both cut back to 130: the outlier left in slot 140 lies ahead of the steps that
+    # refill its page (128 ..) and must not count in its bounds (decoded in order, the page's slots are all
+    # rewritten before its bounds are read, so only the bounds themselves show it)
+    step = aborted.begin(1)
+    aborted.attend(0, Qx[:, :, 140:141], Kx[:, :, 140:141], Vx[:, :, 140:141], step)
+    aborted.abort(step)
+    aborted.truncate(130), clean.truncate(130)
+    for s, e in decode_steps(130, 20):
+        check(s, e)
+
+
 # --- free_generated (eval's plain and paper protocols): decoded tokens are attended on top of the budget -----
 def test_streaming_free_generated_keeps_every_decoded_token(gen):
     sink, budget, hq, hkv = 4, 24, 8, 2

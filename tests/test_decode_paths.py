@@ -1,6 +1,6 @@
 """The decode paths: a decode step (static shapes over a bucket, the path CUDA graphs capture) equals a prefill
 of the same tokens; running a step again changes nothing; on a GPU the captured graphs equal eager decoding bit
-for bit, for the full cache and for tailorkv."""
+for bit, for the full cache, tailorkv and quest."""
 import pytest
 import torch
 
@@ -83,6 +83,22 @@ def test_cuda_graph_tailorkv_equals_eager(tmp_path, bits, select, ahead):
     assert 1 <= n_graphs <= 8
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_prompt,budget,keys", [(230, 96, 2), (200, 240, 3)])
+def test_cuda_graph_quest_equals_eager(tiny, n_prompt, budget, keys):
+    """quest's decode steps replay graphs: one per (bucket, dense or sparse); 100 steps past a prompt longer than
+    the budget, or from dense into sparse, cross the 256 bucket. With free_generated quest decodes eagerly."""
+    lm = load_model(tiny, device="cuda", dtype=torch.float32)
+    ids = torch.randint(3, 300, (1, n_prompt + 100), device="cuda")
+    s = MethodSettings("quest", budget=budget, page=16)
+    eager, graphed, n_graphs = _decode_both(lm, s, ids, n_prompt, 512)
+    for a, b in zip(eager, graphed):  # the same kernels on the same inputs: bit-equal
+        assert torch.equal(b, a)
+    assert n_graphs == keys
+    free = build_cache(lm, MethodSettings("quest", budget=budget, page=16, free_generated=True), 512)
+    assert not free.graph_safe and Runner(lm.model, free).graphs is None
+
+
 def test_long_prefills_release_cached_blocks_on_cuda_only(monkeypatch):
     from tailorkv.engine.runner import RELEASE_AFTER, release_prefill_blocks
     calls = []
@@ -120,6 +136,17 @@ def test_decode_step_is_idempotent(tmp_path, select):
     ids = torch.randint(3, 300, (1, 560), generator=torch.Generator().manual_seed(3))
     once = _decode_repeating(lm, s, ids, 400, 600, 1)
     thrice = _decode_repeating(lm, s, ids, 400, 600, 3)
+    assert all(torch.equal(a, b) for a, b in zip(once, thrice))
+
+
+def test_quest_decode_step_is_idempotent(tmp_path):
+    """quest's decode step run three times equals it run once, from dense into sparse and across the 256 bucket."""
+    write_tiny_folder(tmp_path, seed=6, hidden=128, n_heads=4, n_kv=2, head_dim=32, max_pos=2048)
+    lm = load_model(str(tmp_path), dtype=torch.float32)
+    s = MethodSettings("quest", budget=96, page=16)
+    ids = torch.randint(3, 300, (1, 300), generator=torch.Generator().manual_seed(3))
+    once = _decode_repeating(lm, s, ids, 60, 320, 1)
+    thrice = _decode_repeating(lm, s, ids, 60, 320, 3)
     assert all(torch.equal(a, b) for a, b in zip(once, thrice))
 
 
