@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from tailorkv.ops.dispatch import op
+from tailorkv.ops import page_select_cuda
+from tailorkv.ops.dispatch import op, register_kernel
 
 
 def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -39,6 +40,9 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
     B, Hq, _ = q.shape
     H, P = kmin.shape[1], kmin.shape[2]
     return page_bounds(q, kmin, kmax).reshape(B, H, Hq // H, P).amax(2)
+
+
+register_kernel("quest_page_scores", lambda: page_select_cuda.load(page_scores.fallback))
 
 
 def pages_selected(length: int, page: int, budget: int) -> tuple[int, int]:

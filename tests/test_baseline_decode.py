@@ -13,13 +13,14 @@ from test_decode_paths import _decode_both, _decode_repeating
 
 # budgets far below the prompt: streamingllm's ring wraps, snapkv compresses the prompt then appends
 SETTINGS = {"streamingllm": MethodSettings("streamingllm", budget=96, sink=8),
-            "snapkv": MethodSettings("snapkv", budget=96, snap_window=8)}
+            "snapkv": MethodSettings("snapkv", budget=96, snap_window=8),
+            "quest": MethodSettings("quest", budget=100, page=16)}  # 100: some lengths leave room for a page fewer
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_baselines")
-    write_tiny_folder(folder, seed=9, hidden=128, n_heads=4, n_kv=2, head_dim=32, max_pos=2048)
+    write_tiny_folder(folder, seed=9, hidden=128, n_heads=4, n_kv=2, head_dim=64, max_pos=2048)  # 64: the kernels
     return str(folder)
 
 
@@ -68,14 +69,22 @@ def test_an_aborted_decode_step_leaves_no_trace(tiny, method):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method", list(SETTINGS))
-def test_cuda_graph_decode_equals_eager(tiny, method):
-    lm = load_model(tiny, device="cuda", dtype=torch.float32)
+def test_cuda_graph_decode_equals_eager(tiny, method, dtype):
+    """bf16 runs the kernels (quest: page scores, top-k, the attention over rows of the store; fp32 takes their
+    references), none of which hands a call to its reference."""
+    from tailorkv.ops import dispatch
+    lm = load_model(tiny, device="cuda", dtype=dtype)
     ids = torch.randint(3, 300, (1, 700), device="cuda")
+    before = dict(dispatch.FALLBACKS)
     eager, graphed, n_graphs = _decode_both(lm, SETTINGS[method], ids, 400, 800)
     for a, b in zip(eager, graphed):  # the same kernels on the same inputs: bit-equal
         assert torch.equal(b, a)
     assert 1 <= n_graphs <= 8
+    if dtype == torch.bfloat16:
+        ops = ("store_kv", "attend_decode", "quest_page_scores", "topk_tokens", "sparse_decode_attention")
+        assert {o: dispatch.FALLBACKS[o] for o in ops} == {o: before.get(o, 0) for o in ops}
 
 
 @pytest.mark.cuda

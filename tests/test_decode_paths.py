@@ -152,7 +152,7 @@ def test_quest_decode_step_is_idempotent(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("method", ["full", "tailorkv"])
+@pytest.mark.parametrize("method", ["full", "tailorkv", "streamingllm", "snapkv", "quest"])
 def test_llama_shaped_decode_hands_no_call_to_a_reference(tmp_path, method, batch):
     """bf16, head_dim 128, 4 query heads per KV head (Llama-3.1-8B's head shape): every op of a bench cell's
     decode that has a kernel runs it (dispatch.FALLBACKS counts the calls a kernel hands to its reference; the
@@ -161,7 +161,9 @@ def test_llama_shaped_decode_hands_no_call_to_a_reference(tmp_path, method, batc
     write_tiny_folder(tmp_path, seed=7, hidden=512, n_heads=4, n_kv=1, head_dim=128, max_pos=4096)
     lm = load_model(str(tmp_path), device="cuda", dtype=torch.bfloat16)
     s = {"full": MethodSettings("full"),
-         "tailorkv": MethodSettings("tailorkv", quant_layers=[0], budget=256, sink=16, recent=64)}[method]
+         "tailorkv": MethodSettings("tailorkv", quant_layers=[0], budget=256, sink=16, recent=64),
+         "streamingllm": MethodSettings("streamingllm", budget=256, sink=16),
+         "snapkv": MethodSettings("snapkv", budget=256), "quest": MethodSettings("quest", budget=256)}[method]
     plan = B.BenchPlan(ctxs=[3000], methods=[method], settings={method: s}, decode_steps=8, warmup=2, batch=batch)
     cell = B.run_cell(lm, method, 3000, plan)
     assert cell["status"] == "ok", cell.get("error")

@@ -11,8 +11,9 @@ Quest itself leaves the first two layers dense; here every layer of the method u
 A decode step is graph-safe (CUDA graphs on a GPU): plan picks the regime on the host (dense while the context
 fits in the budget, else sparse: part of the step key); run reads the length from `step.lengths` only. Sparse,
 the shapes are fixed by the bucket: the pages covering it are scored (the last page and those after it out),
-a top-k of the most whole pages a step can ever choose, of which the first n_top count, then a fixed number of
-token slots (those top pages, then the last page's tokens), of which attend_decode reads the first n.
+topk_tokens takes the most whole pages a step can ever choose (the lowest-scoring one dropped where this length's
+budget has room for one fewer: plan says so), and sparse_decode_attention reads those pages' rows and the last
+page's straight from the store (positions past the new token are not read): no gather, no per-step host ints.
 
 With `settings.free_generated` the budget counts the prompt's tokens only (those of multi-token steps): the
 pages are chosen within the prompt and every token decoded since is attended on top. That mode decodes eagerly
@@ -27,9 +28,10 @@ import torch.nn.functional as F
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.engine.settings import MethodSettings
-from tailorkv.ops.attention import attend_decode, attention_with_mask, causal_attention
+from tailorkv.ops.attention import attend_decode, attention_with_mask, causal_attention, sparse_decode_attention
 from tailorkv.ops.kv_store import store_kv
 from tailorkv.ops.page_select import page_scores, select_pages, tokens_selected
+from tailorkv.ops.sparse_select import topk_tokens
 
 
 class QuestCache(LayerCache):
@@ -45,16 +47,17 @@ class QuestCache(LayerCache):
         self.n_pages = math.ceil(spec.max_len / self.page)
         self.kmin = torch.zeros(B, H, self.n_pages, D, dtype=dt, device=dev)
         self.kmax = torch.zeros_like(self.kmin)
-        # the token indices of the last sparse step, [B, H, n] (tests, debugging); graphed, a view of `slots`
-        # that plan sets and run fills (the chosen pages in ascending order, then the last page's tokens)
-        self.selected: torch.Tensor | None = None
+        self._selected: torch.Tensor | None = None  # eager steps' `selected`
         self.free_generated = settings.free_generated
         self.graph_safe = not self.free_generated
         self.prompt_end = 0  # end of the last multi-token step: tokens past it were decoded
-        self.top_max = min((self.budget - 1) // self.page, self.n_pages - 1)  # whole pages a step may choose
-        self.slots = torch.zeros(B, H, (self.top_max + 1) * self.page, dtype=torch.long, device=dev)
-        self.ar = torch.arange(max(self.slots.shape[-1], self.n_pages), device=dev)
-        self.sparse = False  # the regime plan chose for the step at hand
+        # a sparse decode step takes the top `top` pages by score (the most whole pages a step may choose; `drop`:
+        # this step's budget leaves room for one fewer) and the last page
+        self.top = min((self.budget - 1) // self.page, self.n_pages - 1)
+        self.slots = torch.zeros(B, H, (self.top + 1) * self.page, dtype=torch.long, device=dev)
+        self.ar = torch.arange(max(self.page, self.n_pages), device=dev)
+        self.sparse, self.drop = False, False  # the regime plan chose for the step at hand
+        self._end = 0
 
     def _paged(self, end: int) -> int:
         """How many tokens from the start the pages are chosen among at a decode step ending at `end`."""
@@ -66,11 +69,11 @@ class QuestCache(LayerCache):
         if self.sparse:
             n = tokens_selected(paged, self.page, self.budget)
             self.last = {"tokens_attended": n + end - paged, "pages_selected": math.ceil(n / self.page)}
-            if self.graph_safe:
-                self.selected = self.slots[..., :n]
+            self.drop = (n - (end - (end - 1) // self.page * self.page)) // self.page < self.top
+            self._end = end
         else:
             self.last = {"tokens_attended": end}
-        return ("sparse",) if self.sparse else ("dense",)
+        return ("sparse", self.drop) if self.sparse else ("dense",)
 
     def run(self, q, k, v, step):
         if step.decode and self.graph_safe:
@@ -90,8 +93,16 @@ class QuestCache(LayerCache):
         gather = idx.unsqueeze(-1).expand(-1, -1, -1, self.spec.head_dim)
         ks = self.k.gather(2, gather)
         vs = self.v.gather(2, gather)
-        self.selected = idx
+        self._selected = idx
         return attention_with_mask(q, ks, vs)
+
+    @property
+    def selected(self) -> torch.Tensor | None:
+        """The positions the last sparse decode step attended, [B, H, n] ascending: the chosen pages', then the last
+        page's (tests, debugging; a graphed step's are read back from its slots)."""
+        if not (self.graph_safe and self.sparse):
+            return self._selected
+        return self.slots.sort(-1).values[..., :self.last["tokens_attended"]]
 
     def _decode(self, q, k, v, step):
         """A decode step, graph-safe: device work only, shapes fixed by the bucket and the regime, idempotent."""
@@ -100,27 +111,28 @@ class QuestCache(LayerCache):
         if not self.sparse:
             n = step.bucket  # static for the graph; attend_decode reads only the first position + 1 slots
             return attend_decode(q, self.k[:, :, :n], self.v[:, :, :n], step.lengths)
+        tokens = self._choose(q, step)  # rows of the store, read inside the attention (a position >= the length: not)
+        empty = self.k[:, :, :0]
+        return sparse_decode_attention(q, empty, self.v[:, :, :0], self.k, self.v, tokens, step.positions,
+                                       step.lengths.reshape(()), 0)
+
+    def _choose(self, q, step) -> torch.Tensor:
+        """The positions a sparse step attends, into `slots` [B, H, (top + 1) * page]: the top pages' tokens (in
+        no order), then the last page's. The last page's slots past the new token, and the tokens of the page that
+        a top-k of one page too many dropped, hold positions the attention does not read."""
         page, length = self.page, step.lengths                           # [1]: the tokens held after the step
-        last = (length - 1) // page                                      # the last page, always attended ...
-        last_count = length - last * page                                # ... with its tokens
-        n_top = torch.minimum(last, (self.budget - last_count) // page).clamp_(min=0)  # whole top pages
+        last = (length - 1) // page                                      # the last page, always attended
+        in_last = (last * page + self.ar[:page]).expand(*self.slots.shape[:2], page)
+        if not self.top:
+            return self.slots.copy_(in_last)
         n_pages = min(math.ceil(step.bucket / page), self.n_pages)
-        top = min(self.top_max, n_pages - 1)  # k of the top-k: n_top <= top at every length of the bucket
-        S = (top + 1) * page
-        j = self.ar[:S]
-        first_last = n_top * page                                        # slot of the last page's first token
-        in_last = last * page + torch.minimum(j - first_last, last_count - 1)  # past n: a held token, unread
-        if top:
-            scores = page_scores(q[:, :, 0], self.kmin[:, :, :n_pages], self.kmax[:, :, :n_pages])
-            scores = scores.masked_fill(self.ar[:n_pages] >= last, float("-inf"))
-            pages = scores.topk(top, -1).indices                        # [B, H, top], best first
-            pages = pages.masked_fill(self.ar[:top] >= n_top, self.n_pages).sort(-1).values  # chosen, ascending
-            in_top = pages.gather(-1, (j // page).clamp(max=top - 1).expand(*pages.shape[:2], S)) * page + j % page
-            in_last = torch.where(j < first_last, in_top, in_last)
-        self.slots[..., :S].copy_(in_last.expand(*self.slots.shape[:2], S))
-        gather = self.slots[..., :S, None].expand(-1, -1, -1, self.spec.head_dim)
-        ks, vs = self.k.gather(2, gather), self.v.gather(2, gather)
-        return attend_decode(q, ks, vs, first_last + last_count)
+        scores = page_scores(q[:, :, 0], self.kmin[:, :, :n_pages], self.kmax[:, :, :n_pages])
+        scores = scores.masked_fill_(self.ar[:n_pages] >= last, float("-inf"))
+        pages = topk_tokens(scores, self.top)                            # [B, H, top]
+        if self.drop:  # the budget has room for one whole page fewer at this length: the lowest-scoring goes
+            pages = pages.scatter(-1, scores.gather(-1, pages).argmin(-1, keepdim=True), self.n_pages)
+        in_top = (pages[..., None] * page + self.ar[:page]).flatten(2)
+        return torch.cat([in_top, in_last], -1, out=self.slots)
 
     def _bound_page(self, position: torch.Tensor) -> None:
         """Recompute the min/max of the page holding `position` ([1] on the device) from its stored keys up to
@@ -149,7 +161,7 @@ class QuestCache(LayerCache):
 
     def reset(self) -> None:
         super().reset()
-        self.selected = None
+        self._selected, self.sparse = None, False
         self.prompt_end = 0
 
     def abort(self, step) -> None:

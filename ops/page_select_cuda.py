@@ -1,0 +1,99 @@
+"""CUDA kernel for quest_page_scores (ops/page_select.py): every page's upper bound of q . k, the max over the
+query heads of its KV head's GQA group, in one launch that reads the pages' min and max in their own dtype (the
+reference converts both to fp32 and runs two matmuls, an add and a max: ~8 launches and twice the bytes).
+
+A warp takes a page at a time: lane l holds channels l*CPL .. l*CPL+CPL-1 of the group's queries (in registers for
+the whole block) and of the page's min and max rows, adds max(q*min, q*max) over them and sums across the warp per
+query head; lane 0 writes the group's max as fp32."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tailorkv.ops.cuda_launch import compile_module, launch, ptr
+from tailorkv.ops.quant_common_cuda import C_TYPES
+
+WARPS = 8
+PAGES_PER_WARP = 4
+
+_SOURCE = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#define D {d}
+#define G {g}
+#define WARPS {warps}
+#define CPL (D / 32)
+typedef {kt} ktype;
+__device__ __forceinline__ float to_float(__half x) {{ return __half2float(x); }}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {{ return __bfloat162float(x); }}
+__device__ __forceinline__ float to_float(float x) {{ return x; }}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) page_scores(
+        const ktype* __restrict__ q, const long long qsb, const long long qsh,
+        const ktype* __restrict__ kmin, const ktype* __restrict__ kmax, const long long ksb, const long long ksh,
+        const long long ksp, float* __restrict__ out, const long long osb, const long long osh, const int P,
+        const int Hkv) {{
+    const int bh = blockIdx.y, b = bh / Hkv, h = bh % Hkv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float qf[G][CPL];
+    #pragma unroll
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c)
+            qf[g][c] = to_float(q[b * qsb + (long long)(h * G + g) * qsh + lane * CPL + c]);
+    for (int p = blockIdx.x * WARPS + warp; p < P; p += gridDim.x * WARPS) {{
+        const long long at = b * ksb + h * ksh + (long long)p * ksp + lane * CPL;
+        float lo[CPL], hi[CPL];
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c) {{ lo[c] = to_float(kmin[at + c]); hi[c] = to_float(kmax[at + c]); }}
+        float best = __int_as_float(0xff800000u);
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {{
+            float s = 0.f;
+            #pragma unroll
+            for (int c = 0; c < CPL; ++c) s += fmaxf(qf[g][c] * lo[c], qf[g][c] * hi[c]);
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            best = fmaxf(best, s);
+        }}
+        if (lane == 0) out[b * osb + h * osh + p] = best;
+    }}
+}}
+"""
+
+
+def load(reference):
+    """reference: the torch page_scores, for the arguments the kernel does not take."""
+    compile_module(_SOURCE.format(d=128, g=4, warps=WARPS, kt=C_TYPES["torch.bfloat16"])).get_function(
+        "page_scores")  # fail early
+    kernels = {}
+
+    def page_scores(q, kmin, kmax):
+        """q [B, Hq, D] and kmin/kmax [B, Hkv, P, D] of one dtype (bf16, fp16 or fp32) on one GPU, head dim a
+        multiple of 32 up to 256, at most 8 query heads per KV head, unit channel stride, kmin and kmax of one
+        layout. Else the reference."""
+        B, Hq, D = q.shape
+        Hkv, P = kmin.shape[1], kmin.shape[2]
+        ok = (kmin.dim() == 4 and kmin.shape == kmax.shape and kmin.shape[0] == B and kmin.shape[3] == D
+              and D % 32 == 0 and D <= 256 and Hkv > 0 and Hq % Hkv == 0 and Hq // Hkv <= 8
+              and str(q.dtype) in C_TYPES and all(t.dtype == q.dtype for t in (kmin, kmax))
+              and all(t.is_cuda and t.device == q.device and t.stride(-1) == 1 for t in (q, kmin, kmax))
+              and kmin.stride() == kmax.stride())
+        if not ok:
+            return reference(q, kmin, kmax)
+        out = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
+        if P == 0 or B == 0:
+            return out
+        G = Hq // Hkv
+        key = (q.dtype, D, G)
+        if key not in kernels:
+            kernels[key] = compile_module(_SOURCE.format(d=D, g=G, warps=WARPS, kt=C_TYPES[str(q.dtype)])
+                                          ).get_function("page_scores")
+        ks = kmin.stride()
+        launch(kernels[key], (-(-P // (WARPS * PAGES_PER_WARP)), B * Hkv), (WARPS * 32,),
+               (ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)), ptr(kmin), ptr(kmax), np.int64(ks[0]),
+                np.int64(ks[1]), np.int64(ks[2]), ptr(out), np.int64(out.stride(0)), np.int64(out.stride(1)),
+                np.int32(P), np.int32(Hkv)), q.device)
+        return out
+
+    return page_scores
