@@ -92,3 +92,51 @@ def test_free_generated_streaming_decodes_eagerly(tiny):
     lm = load_model(tiny, device="cuda", dtype=torch.float32)
     cache = build_cache(lm, MethodSettings("streamingllm", budget=96, sink=8, free_generated=True), 400)
     assert not cache.graph_safe and Runner(lm.model, cache).graphs is None
+
+
+@pytest.mark.parametrize("how", ["no run (prepare with its graph captured)", "interrupt in layer 1"])
+def test_streaming_abort_without_the_run_keeps_the_oldest_token(tiny, how):
+    """streamingllm's abort restores the evicted slot only in layers whose run took the copy (Ctrl-C in an earlier
+    layer; DecodeGraphs.prepare when the step's graph exists: begin + abort, no run). Found by a QA pass."""
+    lm = load_model(tiny, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 300, (1, 300), generator=g)
+    other = torch.randint(3, 300, (1, 1), generator=g)
+    logits = []
+    for interrupt in (False, True):
+        cache = build_cache(lm, SETTINGS["streamingllm"], 400)
+        runner = Runner(lm.model, cache, use_cuda_graph=False)
+        runner.prefill(ids[:, :200])          # the ring is full: every decode step evicts
+        for p in range(200, 230):
+            runner.decode(ids[:, p:p + 1])    # `saved` now holds the last step's evicted token
+        if interrupt:
+            step = cache.begin(1)
+            if how.startswith("interrupt"):
+                attend = cache.attend
+                def stop(i, *a):
+                    if i == 1:
+                        raise KeyboardInterrupt
+                    return attend(i, *a)
+                cache.attend = stop
+                with pytest.raises(KeyboardInterrupt):
+                    lm.model(other, step, cache)
+                cache.attend = attend
+            cache.abort(step)
+            assert cache.intact and cache.length == 230
+        logits.append(runner.prefill(ids[:, 230:250]).clone())  # the next chat turn reads the oldest token
+    assert torch.equal(logits[0], logits[1]), (logits[0] - logits[1]).abs().max()
+
+
+def test_streaming_evicting_steps_have_their_own_key(tiny):
+    """A graph captured at a step that evicts nothing has no _keep_evicted in it; replayed for an evicting step it
+    saves nothing for abort."""
+    lm = load_model(tiny, dtype=torch.float32)
+    cache = build_cache(lm, SETTINGS["streamingllm"], 400)
+    runner = Runner(lm.model, cache, use_cuda_graph=False)
+    runner.prefill(torch.randint(3, 300, (1, 50)))
+    k1 = cache.begin(1).key
+    cache.abort(cache.begin(1))
+    runner.prefill(torch.randint(3, 300, (1, 100)))  # the ring is full now
+    step = cache.begin(1)
+    assert cache.layers[0]._evicts and step.key != k1
+    cache.abort(step)

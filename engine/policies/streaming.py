@@ -97,7 +97,7 @@ class StreamingCache(LayerCache):
         self.count.fill_(held)
         self._bucket = bucket_for(held, self.budget)
         self.last = {"tokens_attended": held}
-        return self._bucket
+        return self._bucket, self._evicts  # an evicting step's graph must save the slot (run's _keep_evicted)
 
     def run(self, q, k, v, step):
         if step.decode and not self.free_generated:  # device work only: the counters move in commit
@@ -167,9 +167,10 @@ class StreamingCache(LayerCache):
             return super().abort(step)
         if self.free_generated:
             self.seen, self.gen_k, self.gen_v = self._undo
-        elif self._evicts:
-            slot = self._slot
-            self.k[:, :, slot:slot + 1], self.v[:, :, slot:slot + 1] = self.saved[0], self.saved[1]
+        elif self._evicts:  # only where this step's run took the copy: `fresh` still set = the run never came
+            for i, buf in enumerate((self.k, self.v)):
+                buf.index_copy_(2, self.slot, torch.where(self.fresh, buf.index_select(2, self.slot), self.saved[i]))
+            self.fresh.fill_(False)
 
     def truncate(self, length: int) -> None:
         """Forget the newest tokens. Only possible while all of them are still held; afterwards the recent
