@@ -42,7 +42,22 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
     return page_bounds(q, kmin, kmax).reshape(B, H, Hq // H, P).amax(2)
 
 
+@op("quest_bound_page")
+def bound_page(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, position: torch.Tensor, page: int) -> None:
+    """k [B, H, N, D]: the stored keys; kmin/kmax [B, H, ceil(N / page), D]; position [1] int64 on k's device ->
+    the min and max of the page holding `position` recomputed from its keys up to the position (the slots after
+    it left out), in place: exact, and the same however often it runs. No host reads."""
+    first = position - position % page
+    offs = torch.arange(page, device=k.device)
+    seg = k.index_select(2, (first + offs).clamp_(max=k.shape[2] - 1))  # [B, H, page, D]
+    out = (offs > position - first)[:, None]
+    idx = first // page
+    kmin.index_copy_(2, idx, seg.masked_fill(out, float("inf")).amin(2, keepdim=True))
+    kmax.index_copy_(2, idx, seg.masked_fill(out, float("-inf")).amax(2, keepdim=True))
+
+
 register_kernel("quest_page_scores", lambda: page_select_cuda.load(page_scores.fallback))
+register_kernel("quest_bound_page", lambda: page_select_cuda.load_bound_page(bound_page.fallback))
 
 
 def pages_selected(length: int, page: int, budget: int) -> tuple[int, int]:

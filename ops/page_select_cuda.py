@@ -1,10 +1,15 @@
-"""CUDA kernel for quest_page_scores (ops/page_select.py): every page's upper bound of q . k, the max over the
-query heads of its KV head's GQA group, in one launch that reads the pages' min and max in their own dtype (the
-reference converts both to fp32 and runs two matmuls, an add and a max: ~8 launches and twice the bytes).
+"""CUDA kernels for Quest's page ops (ops/page_select.py).
+
+quest_page_scores: every page's upper bound of q . k, the max over the query heads of its KV head's GQA group, in
+one launch that reads the pages' min and max in their own dtype (the reference converts both to fp32 and runs two
+matmuls, an add and a max: ~8 launches and twice the bytes).
 
 A warp takes a page at a time: lane l holds channels l*CPL .. l*CPL+CPL-1 of the group's queries (in registers for
 the whole block) and of the page's min and max rows, adds max(q*min, q*max) over them and sums across the warp per
-query head; lane 0 writes the group's max as fp32."""
+query head; lane 0 writes the group's max as fp32.
+
+quest_bound_page: a decode step's page min and max, recomputed from the page's stored keys up to the new token's
+position (read on the device), one block per (batch, KV head), a thread per channel (the reference: 13 launches)."""
 from __future__ import annotations
 
 import numpy as np
@@ -97,3 +102,60 @@ def load(reference):
         return out
 
     return page_scores
+
+
+_BOUND_SOURCE = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+typedef {kt} ktype;
+__device__ __forceinline__ float to_float(__half x) {{ return __half2float(x); }}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {{ return __bfloat162float(x); }}
+__device__ __forceinline__ float to_float(float x) {{ return x; }}
+
+extern "C" __global__ void bound_page(
+        const ktype* __restrict__ k, const long long ksb, const long long ksh, const long long kst,
+        ktype* __restrict__ kmin, ktype* __restrict__ kmax, const long long msb, const long long msh,
+        const long long msp, const long long* __restrict__ position, const int page, const int D, const int Hkv) {{
+    const int b = blockIdx.x / Hkv, h = blockIdx.x % Hkv;
+    const long long p = position[0], first = p - p % page;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {{
+        float lo = __int_as_float(0x7f800000u), hi = __int_as_float(0xff800000u);
+        for (long long t = first; t <= p; ++t) {{
+            const float x = to_float(k[b * ksb + h * ksh + t * kst + c]);
+            lo = fminf(lo, x);
+            hi = fmaxf(hi, x);
+        }}
+        const long long at = b * msb + h * msh + (first / page) * msp + c;
+        kmin[at] = (ktype)lo;
+        kmax[at] = (ktype)hi;
+    }}
+}}
+"""
+
+
+def load_bound_page(reference):
+    """reference: the torch bound_page, for the arguments the kernel does not take."""
+    compile_module(_BOUND_SOURCE.format(kt=C_TYPES["torch.bfloat16"])).get_function("bound_page")  # fail early
+    kernels = {}
+
+    def bound_page(k, kmin, kmax, position, page):
+        """k and kmin/kmax of one dtype (bf16, fp16 or fp32) on one GPU, unit channel stride, kmin and kmax of one
+        layout, position a one-element int64 tensor there. Else the reference."""
+        B, H, N, D = k.shape
+        ok = (kmin.shape == kmax.shape == (B, H, -(-N // page), D) and str(k.dtype) in C_TYPES
+              and all(t.dtype == k.dtype and t.is_cuda and t.device == k.device and t.stride(-1) == 1
+                      for t in (kmin, kmax)) and k.is_cuda and k.stride(-1) == 1 and kmin.stride() == kmax.stride()
+              and position.numel() == 1 and position.dtype == torch.int64 and position.device == k.device)
+        if not ok:
+            return reference(k, kmin, kmax, position, page)
+        if B * H == 0 or D == 0:
+            return None
+        if k.dtype not in kernels:
+            kernels[k.dtype] = compile_module(_BOUND_SOURCE.format(kt=C_TYPES[str(k.dtype)])).get_function("bound_page")
+        ks, ms = k.stride(), kmin.stride()
+        launch(kernels[k.dtype], (B * H,), (min(D, 256),),
+               (ptr(k), np.int64(ks[0]), np.int64(ks[1]), np.int64(ks[2]), ptr(kmin), ptr(kmax), np.int64(ms[0]),
+                np.int64(ms[1]), np.int64(ms[2]), ptr(position), np.int32(page), np.int32(D), np.int32(H)), k.device)
+        return None
+
+    return bound_page

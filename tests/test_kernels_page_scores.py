@@ -1,5 +1,7 @@
 """quest_page_scores: the torch reference against the plain formula (CPU), the CUDA kernel against both on fresh
 random inputs (poisoned output, strided queries, every dtype and group size it takes; NaN never passes).
+quest_bound_page: reference and kernel against the page's min and max taken directly, keys past the position
+NaN (never read), other pages untouched.
 
 Inputs are random with a fresh seed per run (shown beside a failure; set TAILORKV_SEED to replay one)."""
 from __future__ import annotations
@@ -9,7 +11,7 @@ import torch
 
 from helpers import SEED, rel_err
 from tailorkv.ops import dispatch
-from tailorkv.ops.page_select import page_scores
+from tailorkv.ops.page_select import bound_page, page_scores
 
 
 def formula(q, kmin, kmax):
@@ -53,3 +55,39 @@ def test_kernel_equals_the_reference(B, Hq, H, P, D, dtype):
     assert got.dtype == torch.float32 and got.shape == (B, H, P)
     assert rel_err(got, want) < 1e-5
     assert rel_err(page_scores.reference(q, kmin, kmax), want) < 1e-5
+
+
+def _bound_case(g, B, H, N, D, page, pos, dtype, device):
+    k = torch.randn(B, H, N, D, generator=g).to(device, dtype)
+    k[:, :, pos + 1:] = float("nan")  # beyond the new token: stale slots, never read
+    P = -(-N // page)
+    kmin, kmax = (torch.randn(B, H, P, D, generator=g).to(device, dtype) for _ in range(2))
+    first = pos - pos % page
+    want_min, want_max = kmin.clone(), kmax.clone()
+    want_min[:, :, first // page] = k[:, :, first:pos + 1].amin(2)
+    want_max[:, :, first // page] = k[:, :, first:pos + 1].amax(2)
+    return k, kmin, kmax, torch.tensor([pos], device=device), want_min, want_max
+
+
+BOUNDS = [(1, 8, 100, 128, 16, 0), (2, 3, 100, 64, 16, 47), (1, 2, 100, 32, 16, 99), (2, 4, 37, 128, 16, 33),
+          (1, 1, 64, 256, 32, 63)]
+
+
+@pytest.mark.parametrize("B,H,N,D,page,pos", BOUNDS)
+def test_bound_page_reference(B, H, N, D, page, pos):
+    g = torch.Generator().manual_seed(SEED + pos + D)
+    k, kmin, kmax, position, want_min, want_max = _bound_case(g, B, H, N, D, page, pos, torch.float32, "cpu")
+    bound_page(k, kmin, kmax, position, page)
+    assert torch.equal(kmin, want_min) and torch.equal(kmax, want_max)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("B,H,N,D,page,pos", BOUNDS)
+def test_bound_page_kernel(B, H, N, D, page, pos, dtype):
+    g = torch.Generator().manual_seed(SEED + 3 * pos + D)
+    k, kmin, kmax, position, want_min, want_max = _bound_case(g, B, H, N, D, page, pos, dtype, "cuda")
+    calls = dispatch.FALLBACKS["quest_bound_page"]
+    bound_page(k, kmin, kmax, position, page)
+    assert dispatch.FALLBACKS["quest_bound_page"] == calls  # the kernel ran, not its reference
+    assert torch.equal(kmin, want_min) and torch.equal(kmax, want_max)  # min and max are exact

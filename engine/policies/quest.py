@@ -30,7 +30,7 @@ from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.ops.attention import attend_decode, attention_with_mask, causal_attention, sparse_decode_attention
 from tailorkv.ops.kv_store import store_kv
-from tailorkv.ops.page_select import page_scores, select_pages, tokens_selected
+from tailorkv.ops.page_select import bound_page, page_scores, select_pages, tokens_selected
 from tailorkv.ops.sparse_select import topk_tokens
 
 
@@ -107,7 +107,7 @@ class QuestCache(LayerCache):
     def _decode(self, q, k, v, step):
         """A decode step, graph-safe: device work only, shapes fixed by the bucket and the regime, idempotent."""
         store_kv(self.k, self.v, step.positions, k, v)
-        self._bound_page(step.positions)
+        bound_page(self.k, self.kmin, self.kmax, step.positions, self.page)
         if not self.sparse:
             n = step.bucket  # static for the graph; attend_decode reads only the first position + 1 slots
             return attend_decode(q, self.k[:, :, :n], self.v[:, :, :n], step.lengths)
@@ -133,18 +133,6 @@ class QuestCache(LayerCache):
             pages = pages.scatter(-1, scores.gather(-1, pages).argmin(-1, keepdim=True), self.n_pages)
         in_top = (pages[..., None] * page + self.ar[:page]).flatten(2)
         return torch.cat([in_top, in_last], -1, out=self.slots)
-
-    def _bound_page(self, position: torch.Tensor) -> None:
-        """Recompute the min/max of the page holding `position` ([1] on the device) from its stored keys up to
-        the position (the slots after it left out): exact, and the same however often it runs."""
-        page = self.page
-        first = position - position % page
-        offs = self.ar[:page]
-        seg = self.k.index_select(2, (first + offs).clamp_(max=self.spec.max_len - 1))  # [B, H, page, D]
-        out = (offs > position - first)[:, None]
-        idx = first // page
-        self.kmin.index_copy_(2, idx, seg.masked_fill(out, float("inf")).amin(2, keepdim=True))
-        self.kmax.index_copy_(2, idx, seg.masked_fill(out, float("-inf")).amax(2, keepdim=True))
 
     def _update_pages(self, start: int, end: int) -> None:
         """Recompute min/max of the pages that hold tokens [start, end) from the stored keys."""
