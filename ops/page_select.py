@@ -34,12 +34,31 @@ def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
 
 
 @op("quest_page_scores")
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, length: torch.Tensor | None = None,
+                page: int = 1) -> torch.Tensor:
     """q [B, Hq, D], kmin/kmax [B, Hkv, P, D] -> fp32 [B, Hkv, P]: per KV head, the max over its GQA group of
-    the page bounds."""
+    the page bounds. With `length` ([1] int64, the tokens held; pages of `page` tokens): the page holding
+    position length - 1 and those after it score -inf (out of the top pages; no host read)."""
     B, Hq, _ = q.shape
     H, P = kmin.shape[1], kmin.shape[2]
-    return page_bounds(q, kmin, kmax).reshape(B, H, Hq // H, P).amax(2)
+    scores = page_bounds(q, kmin, kmax).reshape(B, H, Hq // H, P).amax(2)
+    if length is None:
+        return scores
+    return scores.masked_fill(torch.arange(P, device=scores.device) >= (length - 1) // page, float("-inf"))
+
+
+@op("quest_page_slots")
+def page_slots(pages: torch.Tensor, scores: torch.Tensor, length: torch.Tensor, page: int, drop: bool, none: int,
+               slots: torch.Tensor) -> torch.Tensor:
+    """The positions a sparse decode step attends, written into `slots` [B, H, (top + 1) * page] (long): those
+    of `pages` [B, H, top] (page indices, any order) in turn, then those of the last page (holding position
+    length - 1; `length` [1] int64). With `drop`, the chosen page of the lowest score in `scores` [B, H, P]
+    (the first in `pages` on a tie) becomes page `none` (positions the attention does not read)."""
+    if drop and pages.shape[-1]:
+        pages = pages.scatter(-1, scores.gather(-1, pages).argmin(-1, keepdim=True), none)
+    offs = torch.arange(page, device=slots.device)
+    last = ((length - 1) // page * page + offs).expand(*slots.shape[:2], page)
+    return torch.cat([(pages[..., None] * page + offs).flatten(2), last], -1, out=slots)
 
 
 @op("quest_bound_page")
@@ -58,6 +77,7 @@ def bound_page(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, position
 
 register_kernel("quest_page_scores", lambda: page_select_cuda.load(page_scores.fallback))
 register_kernel("quest_bound_page", lambda: page_select_cuda.load_bound_page(bound_page.fallback))
+register_kernel("quest_page_slots", lambda: page_select_cuda.load_page_slots(page_slots.fallback))
 
 
 def pages_selected(length: int, page: int, budget: int) -> tuple[int, int]:

@@ -9,13 +9,17 @@ the whole block) and of the page's min and max rows, adds max(q*min, q*max) over
 query head; lane 0 writes the group's max as fp32.
 
 quest_bound_page: a decode step's page min and max, recomputed from the page's stored keys up to the new token's
-position (read on the device), one block per (batch, KV head), a thread per channel (the reference: 13 launches)."""
+position (read on the device), one block per (batch, KV head), a thread per channel (the reference: 13 launches).
+
+quest_page_slots: a sparse step's positions from its top pages, one block per (batch, KV head): a warp finds the
+page to drop (the lowest score, the first on a tie) where asked, then the threads write every page's positions and
+the last page's (the reference: ~10 launches)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from tailorkv.ops.cuda_launch import compile_module, launch, ptr
+from tailorkv.ops.cuda_launch import compile_module, launch, ptr, ptr_or_null
 from tailorkv.ops.quant_common_cuda import C_TYPES
 
 WARPS = 8
@@ -37,8 +41,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) page_scores(
         const ktype* __restrict__ q, const long long qsb, const long long qsh,
         const ktype* __restrict__ kmin, const ktype* __restrict__ kmax, const long long ksb, const long long ksh,
         const long long ksp, float* __restrict__ out, const long long osb, const long long osh, const int P,
-        const int Hkv) {{
+        const int Hkv, const long long* __restrict__ length, const int page) {{
     const int bh = blockIdx.y, b = bh / Hkv, h = bh % Hkv;
+    const long long masked = length ? (length[0] - 1) / page : P;   // pages from it on: -inf
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float qf[G][CPL];
     #pragma unroll
@@ -61,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) page_scores(
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
             best = fmaxf(best, s);
         }}
-        if (lane == 0) out[b * osb + h * osh + p] = best;
+        if (lane == 0) out[b * osb + h * osh + p] = p < masked ? best : __int_as_float(0xff800000u);
     }}
 }}
 """
@@ -73,19 +78,21 @@ def load(reference):
         "page_scores")  # fail early
     kernels = {}
 
-    def page_scores(q, kmin, kmax):
+    def page_scores(q, kmin, kmax, length=None, page=1):
         """q [B, Hq, D] and kmin/kmax [B, Hkv, P, D] of one dtype (bf16, fp16 or fp32) on one GPU, head dim a
         multiple of 32 up to 256, at most 8 query heads per KV head, unit channel stride, kmin and kmax of one
-        layout. Else the reference."""
+        layout, a length's one int64 there. Else the reference."""
         B, Hq, D = q.shape
         Hkv, P = kmin.shape[1], kmin.shape[2]
         ok = (kmin.dim() == 4 and kmin.shape == kmax.shape and kmin.shape[0] == B and kmin.shape[3] == D
               and D % 32 == 0 and D <= 256 and Hkv > 0 and Hq % Hkv == 0 and Hq // Hkv <= 8
               and str(q.dtype) in C_TYPES and all(t.dtype == q.dtype for t in (kmin, kmax))
               and all(t.is_cuda and t.device == q.device and t.stride(-1) == 1 for t in (q, kmin, kmax))
-              and kmin.stride() == kmax.stride())
+              and kmin.stride() == kmax.stride() and page > 0
+              and (length is None or (length.numel() == 1 and length.dtype == torch.int64
+                                      and length.device == q.device)))
         if not ok:
-            return reference(q, kmin, kmax)
+            return reference(q, kmin, kmax, length, page)
         out = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
         if P == 0 or B == 0:
             return out
@@ -98,7 +105,8 @@ def load(reference):
         launch(kernels[key], (-(-P // (WARPS * PAGES_PER_WARP)), B * Hkv), (WARPS * 32,),
                (ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)), ptr(kmin), ptr(kmax), np.int64(ks[0]),
                 np.int64(ks[1]), np.int64(ks[2]), ptr(out), np.int64(out.stride(0)), np.int64(out.stride(1)),
-                np.int32(P), np.int32(Hkv)), q.device)
+                np.int32(P), np.int32(Hkv), ptr_or_null(length), np.int32(page)),
+               q.device)
         return out
 
     return page_scores
@@ -159,3 +167,66 @@ def load_bound_page(reference):
         return None
 
     return bound_page
+
+
+_SLOTS_SOURCE = r"""
+extern "C" __global__ void page_slots(
+        const long long* __restrict__ pages, const float* __restrict__ scores, const long long ssb,
+        const long long ssh, const long long* __restrict__ length, const int page, const int top, const int drop,
+        const long long none, long long* __restrict__ slots, const int Hkv) {
+    __shared__ int dropped;
+    const int bh = blockIdx.x, b = bh / Hkv, h = bh % Hkv;
+    const long long* pg = pages + (long long)bh * top;
+    if (threadIdx.x < 32) {
+        int at = -1;
+        if (drop) {
+            float lo = __int_as_float(0x7f800000u);
+            for (int j = threadIdx.x; j < top; j += 32) {
+                const float s = scores[b * ssb + h * ssh + pg[j]];
+                if (at < 0 || s < lo) { lo = s; at = j; }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                const float s = __shfl_xor_sync(0xffffffffu, lo, o);
+                const int j = __shfl_xor_sync(0xffffffffu, at, o);
+                if (j >= 0 && (at < 0 || s < lo || (s == lo && j < at))) { lo = s; at = j; }
+            }
+        }
+        if (threadIdx.x == 0) dropped = at;
+    }
+    __syncthreads();
+    const long long last = (length[0] - 1) / page;
+    long long* out = slots + (long long)bh * (top + 1) * page;
+    for (int i = threadIdx.x; i < (top + 1) * page; i += blockDim.x) {
+        const int j = i / page;
+        const long long p = j == top ? last : j == dropped ? none : pg[j];
+        out[i] = p * page + i % page;
+    }
+}
+"""
+
+
+def load_page_slots(reference):
+    """reference: the torch page_slots, for the arguments the kernel does not take."""
+    kernel = compile_module(_SLOTS_SOURCE).get_function("page_slots")  # fail early
+
+    def page_slots(pages, scores, length, page, drop, none, slots):
+        """pages and slots contiguous int64, scores (read where `drop`) fp32 [B, H, P] with unit page stride,
+        length one int64, all on one GPU. Else the reference."""
+        B, H, top = pages.shape
+        ok = (pages.dtype == torch.int64 and pages.is_contiguous() and slots.dtype == torch.int64
+              and slots.is_contiguous() and slots.shape == (B, H, (top + 1) * page) and page > 0
+              and scores.dim() == 3 and (not drop or (scores.dtype == torch.float32 and scores.shape[:2] == (B, H)
+                                                      and scores.stride(-1) == 1))
+              and length.numel() == 1 and length.dtype == torch.int64
+              and all(t.is_cuda and t.device == slots.device for t in (pages, scores, length)))
+        if not ok:
+            return reference(pages, scores, length, page, drop, none, slots)
+        if B * H == 0:
+            return slots
+        launch(kernel, (B * H,), (256,), (ptr(pages), ptr(scores), np.int64(scores.stride(0)),
+                                          np.int64(scores.stride(1)), ptr(length), np.int32(page), np.int32(top),
+                                          np.int32(bool(drop)), np.int64(none), ptr(slots), np.int32(H)),
+               slots.device)
+        return slots
+
+    return page_slots

@@ -72,8 +72,8 @@ def test_an_aborted_decode_step_leaves_no_trace(tiny, method):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method", list(SETTINGS))
 def test_cuda_graph_decode_equals_eager(tiny, method, dtype):
-    """bf16 runs the kernels (quest: page scores, top-k, the attention over rows of the store; fp32 takes their
-    references), none of which hands a call to its reference."""
+    """bf16 runs the kernels (quest: page scores, top-k, the page slots, the attention over rows of the store; fp32
+    takes their references), none of which hands a call to its reference."""
     from tailorkv.ops import dispatch
     lm = load_model(tiny, device="cuda", dtype=dtype)
     ids = torch.randint(3, 300, (1, 700), device="cuda")
@@ -83,7 +83,8 @@ def test_cuda_graph_decode_equals_eager(tiny, method, dtype):
         assert torch.equal(b, a)
     assert 1 <= n_graphs <= 8
     if dtype == torch.bfloat16:
-        ops = ("store_kv", "attend_decode", "quest_page_scores", "topk_tokens", "sparse_decode_attention")
+        ops = ("store_kv", "attend_decode", "quest_page_scores", "quest_page_slots", "topk_tokens",
+               "sparse_decode_attention")
         assert {o: dispatch.FALLBACKS[o] for o in ops} == {o: before.get(o, 0) for o in ops}
 
 

@@ -11,7 +11,7 @@ import torch
 
 from helpers import SEED, rel_err
 from tailorkv.ops import dispatch
-from tailorkv.ops.page_select import bound_page, page_scores
+from tailorkv.ops.page_select import bound_page, page_scores, page_slots
 
 
 def formula(q, kmin, kmax):
@@ -91,3 +91,53 @@ def test_bound_page_kernel(B, H, N, D, page, pos, dtype):
     bound_page(k, kmin, kmax, position, page)
     assert dispatch.FALLBACKS["quest_bound_page"] == calls  # the kernel ran, not its reference
     assert torch.equal(kmin, want_min) and torch.equal(kmax, want_max)  # min and max are exact
+
+
+# --- the masked scores and quest_page_slots (a sparse decode step's positions) -----------------------------------
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("length,page", [(1, 16), (16, 16), (17, 16), (500, 16), (2048, 32)])
+def test_scores_from_the_last_page_on_are_minus_inf(length, page, device):
+    g = torch.Generator().manual_seed(SEED + length + page)
+    P = -(-2048 // page)
+    q, kmin, kmax = inputs(g, 2, 8, 2, P, 64, torch.float32, device)
+    got = page_scores(q, kmin, kmax, torch.tensor([length], device=device), page)
+    want = formula(q, kmin, kmax)
+    last = (length - 1) // page
+    assert torch.isneginf(got[..., last:]).all()
+    assert rel_err(got[..., :last], want[..., :last]) < 1e-5 if last else got[..., :last].numel() == 0
+
+
+def slots_formula(pages, scores, length, page, drop, none):
+    """Row by row in Python: each page's positions in turn (the lowest-scoring one, first on a tie, as `none`
+    where dropping), then the last page's."""
+    out = []
+    for b in range(pages.shape[0]):
+        rows = []
+        for h in range(pages.shape[1]):
+            pg = pages[b, h].tolist()
+            if drop and pg:
+                s = [scores[b, h, p].item() for p in pg]
+                pg[s.index(min(s))] = none
+            row = [p * page + o for p in pg for o in range(page)]
+            rows.append(row + [(length - 1) // page * page + o for o in range(page)])
+        out.append(rows)
+    return torch.tensor(out, dtype=torch.long)
+
+
+SLOTS = [(1, 8, 2048, 16, 63, 1500), (2, 3, 37, 16, 5, 590), (1, 2, 9, 32, 0, 280), (3, 1, 300, 8, 40, 2399)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("B,H,P,page,top,length", SLOTS)
+def test_page_slots(B, H, P, page, top, length, drop, device):
+    g = torch.Generator().manual_seed(SEED + P + top + drop)
+    scores = torch.randn(B, H, P, generator=g).to(device)
+    scores[..., ::7] = scores[..., 3:4]  # ties: the first chosen page of the lowest score goes
+    pages = torch.stack([torch.randperm(P, generator=g)[:top] for _ in range(B * H)]).reshape(B, H, top).to(device)
+    slots = torch.full((B, H, (top + 1) * page), -7, dtype=torch.long, device=device)  # poisoned: fully written
+    calls = dispatch.FALLBACKS["quest_page_slots"]
+    got = page_slots(pages, scores, torch.tensor([length], device=device), page, drop, 10**6, slots)
+    assert dispatch.FALLBACKS["quest_page_slots"] == calls  # on a GPU the kernel ran, not its reference
+    assert got.data_ptr() == slots.data_ptr()
+    assert torch.equal(slots.cpu(), slots_formula(pages.cpu(), scores.cpu(), length, page, drop, 10**6))

@@ -30,7 +30,7 @@ from tailorkv.engine.cache import LayerCache, LayerSpec
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.ops.attention import attend_decode, attention_with_mask, causal_attention, sparse_decode_attention
 from tailorkv.ops.kv_store import store_kv
-from tailorkv.ops.page_select import bound_page, page_scores, select_pages, tokens_selected
+from tailorkv.ops.page_select import bound_page, page_scores, page_slots, select_pages, tokens_selected
 from tailorkv.ops.sparse_select import topk_tokens
 
 
@@ -55,7 +55,6 @@ class QuestCache(LayerCache):
         # this step's budget leaves room for one fewer) and the last page
         self.top = min((self.budget - 1) // self.page, self.n_pages - 1)
         self.slots = torch.zeros(B, H, (self.top + 1) * self.page, dtype=torch.long, device=dev)
-        self.ar = torch.arange(max(self.page, self.n_pages), device=dev)
         self.sparse, self.drop = False, False  # the regime plan chose for the step at hand
         self._end = 0
 
@@ -121,18 +120,13 @@ class QuestCache(LayerCache):
         no order), then the last page's. The last page's slots past the new token, and the tokens of the page that
         a top-k of one page too many dropped, hold positions the attention does not read."""
         page, length = self.page, step.lengths                           # [1]: the tokens held after the step
-        last = (length - 1) // page                                      # the last page, always attended
-        in_last = (last * page + self.ar[:page]).expand(*self.slots.shape[:2], page)
-        if not self.top:
-            return self.slots.copy_(in_last)
-        n_pages = min(math.ceil(step.bucket / page), self.n_pages)
-        scores = page_scores(q[:, :, 0], self.kmin[:, :, :n_pages], self.kmax[:, :, :n_pages])
-        scores = scores.masked_fill_(self.ar[:n_pages] >= last, float("-inf"))
-        pages = topk_tokens(scores, self.top)                            # [B, H, top]
-        if self.drop:  # the budget has room for one whole page fewer at this length: the lowest-scoring goes
-            pages = pages.scatter(-1, scores.gather(-1, pages).argmin(-1, keepdim=True), self.n_pages)
-        in_top = (pages[..., None] * page + self.ar[:page]).flatten(2)
-        return torch.cat([in_top, in_last], -1, out=self.slots)
+        scores = pages = self.slots[..., :0]                             # no top pages: the last page only
+        if self.top:
+            n_pages = min(math.ceil(step.bucket / page), self.n_pages)
+            scores = page_scores(q[:, :, 0], self.kmin[:, :, :n_pages], self.kmax[:, :, :n_pages], length, page)
+            pages = topk_tokens(scores, self.top)                        # [B, H, top]
+        # the budget may have room for one whole page fewer at this length (plan says so): the lowest-scoring goes
+        return page_slots(pages, scores, length, page, self.drop, self.n_pages, self.slots)
 
     def _update_pages(self, start: int, end: int) -> None:
         """Recompute min/max of the pages that hold tokens [start, end) from the stored keys."""
