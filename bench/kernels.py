@@ -1,5 +1,5 @@
 """Device check and timing of every CUDA kernel of ops/ against its torch reference and the stock alternative.
-From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,approx,sketch,topk]
+From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only gather,qk,av,attend,approx,sketch,topk,pages]
 (`quant` stands for qk,av,qattn). For each kernel: max relative error against the reference on fresh random inputs at
 2-3 shapes (PASS/FAIL), then the time of one call (CUDA events around replays of a CUDA graph that holds several
 calls, inputs rotating over sets that together exceed the 60 MB L2; median of 50), the bytes it must move, the
@@ -416,8 +416,51 @@ def bench_linear():
     return out
 
 
+def bench_pages():
+    """Quest's decode selection at 128k (Llama-3.1-8B: 8 KV heads x 4 query heads, D 128, pages of 16: 8,192 pages):
+    quest_page_scores (reads every page's bf16 min and max once) against its torch reference, and quest_page_slots
+    (the top pages' positions and the last page's) against its reference."""
+    from tailorkv.ops.page_select import page_scores, page_slots
+    checks = []
+    for (Hq, H, P, D) in ((32, 8, 8192, 128), (9, 3, 515, 64)):
+        q = randn(1, Hq, D, dtype=torch.bfloat16)
+        a, b = randn(1, H, P, D, dtype=torch.bfloat16), randn(1, H, P, D, dtype=torch.bfloat16)
+        kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+        length = torch.tensor([P * 16 - 5], device=DEV)
+        want = page_scores.reference(q, kmin, kmax, length, 16)
+        got = kernel("quest_page_scores", q, kmin, kmax)(q, kmin, kmax, length, 16)
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+        fin = torch.isfinite(want)
+        checks.append(check(f"scores Hq={Hq} H={H} P={P} D={D}", got[fin], want[fin], 1e-5))
+        top = 63
+        pages = torch.stack([torch.randperm(P - 1, device=DEV)[:top] for _ in range(H)])[None]
+        slots = torch.empty(1, H, (top + 1) * 16, dtype=torch.long, device=DEV)
+        want = page_slots.reference(pages, want, length, 16, True, 10 ** 6, slots.clone())
+        got = kernel("quest_page_slots", pages)(pages, want, length, 16, True, 10 ** 6, slots)
+        checks.append(check(f"slots H={H} P={P}", got.float(), want.float(), 0))
+    Hq, H, P, D = 32, 8, 8192, 128
+    nbytes = 2 * H * P * D * 2
+    sets = []
+    for _ in range(n_sets(nbytes)):
+        a, b = randn(1, H, P, D, dtype=torch.bfloat16), randn(1, H, P, D, dtype=torch.bfloat16)
+        sets.append((randn(1, Hq, D, dtype=torch.bfloat16), torch.minimum(a, b), torch.maximum(a, b)))
+    length = torch.tensor([P * 16 - 5], device=DEV)
+    kern = kernel("quest_page_scores", *sets[0])
+    ms, mode = gpu_time([lambda s=s: kern(*s, length, 16) for s in sets])
+    base_ms, _ = gpu_time([lambda s=s: page_scores.reference(*s, length, 16) for s in sets])
+    pages = torch.stack([torch.randperm(P - 1, device=DEV)[:63] for _ in range(H)])[None]
+    scores = kern(*sets[0], length, 16)
+    slots = torch.empty(1, H, 64 * 16, dtype=torch.long, device=DEV)
+    skern = kernel("quest_page_slots", pages)
+    slots_ms, _ = gpu_time([lambda: skern(pages, scores, length, 16, True, 10 ** 6, slots)])
+    slots_base, _ = gpu_time([lambda: page_slots.reference(pages, scores, length, 16, True, 10 ** 6, slots)])
+    print(f"  quest_page_slots: {slots_ms * 1e3:.1f} us, its reference {slots_base * 1e3:.1f} us")
+    return [result(f"quest_page_scores of {H} x {P} pages (D {D}, bf16 min + max)", checks, ms, mode, nbytes, HBM,
+                   "torch reference", base_ms, dict(slots_us=slots_ms * 1e3, slots_reference_us=slots_base * 1e3))]
+
+
 BENCHES = {"linear": bench_linear, "gather": bench_gather, "qk": bench_qk, "av": bench_av, "qattn": bench_qattn, "attend": bench_attend,
-           "approx": bench_approx, "sketch": bench_sketch, "topk": bench_topk}
+           "approx": bench_approx, "sketch": bench_sketch, "topk": bench_topk, "pages": bench_pages}
 
 
 def main():

@@ -4,9 +4,9 @@ quest_page_scores: every page's upper bound of q . k, the max over the query hea
 one launch that reads the pages' min and max in their own dtype (the reference converts both to fp32 and runs two
 matmuls, an add and a max: ~8 launches and twice the bytes).
 
-A warp takes a page at a time: lane l holds channels l*CPL .. l*CPL+CPL-1 of the group's queries (in registers for
-the whole block) and of the page's min and max rows, adds max(q*min, q*max) over them and sums across the warp per
-query head; lane 0 writes the group's max as fp32.
+A thread per page: it reads the page's min and max rows 16 bytes at a time and sums q+ * max + q- * min per query
+head of the group (q+ = max(q, 0), q- = min(q, 0) in shared memory, read by the whole warp at once: no shuffles);
+then the group's max as fp32.
 
 quest_bound_page: a decode step's page min and max, recomputed from the page's stored keys up to the new token's
 position (read on the device), one block per (batch, KV head), a thread per channel (the reference: 13 launches).
@@ -19,76 +19,91 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tailorkv.ops.cuda_launch import compile_module, launch, ptr, ptr_or_null
+from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr, ptr_or_null
 from tailorkv.ops.quant_common_cuda import C_TYPES
 
-WARPS = 8
-PAGES_PER_WARP = 4
+THREADS = 128
 
 _SOURCE = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #define D {d}
 #define G {g}
-#define WARPS {warps}
-#define CPL (D / 32)
+#define THREADS {threads}
 typedef {kt} ktype;
+#define VEC (16 / (int)sizeof(ktype))   // channels per 16-byte load
 __device__ __forceinline__ float to_float(__half x) {{ return __half2float(x); }}
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) {{ return __bfloat162float(x); }}
 __device__ __forceinline__ float to_float(float x) {{ return x; }}
+// element j of 16 loaded bytes (j known at compile time: no local memory)
+__device__ __forceinline__ unsigned word(const uint4& v, int i) {{ return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }}
+__device__ __forceinline__ float elem(const uint4& v, int j, const __nv_bfloat16*) {{
+    const unsigned w = word(v, j / 2);
+    return __uint_as_float(j % 2 ? w & 0xffff0000u : w << 16);
+}}
+__device__ __forceinline__ float elem(const uint4& v, int j, const __half*) {{
+    const unsigned w = word(v, j / 2);
+    return __half2float(__ushort_as_half((unsigned short)(j % 2 ? w >> 16 : w & 0xffffu)));
+}}
+__device__ __forceinline__ float elem(const uint4& v, int j, const float*) {{ return __uint_as_float(word(v, j)); }}
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) page_scores(
+extern "C" __global__ void __launch_bounds__(THREADS) page_scores(
         const ktype* __restrict__ q, const long long qsb, const long long qsh,
         const ktype* __restrict__ kmin, const ktype* __restrict__ kmax, const long long ksb, const long long ksh,
         const long long ksp, float* __restrict__ out, const long long osb, const long long osh, const int P,
         const int Hkv, const long long* __restrict__ length, const int page) {{
+    __shared__ __align__(16) float qp[G][D], qn[G][D];   // the group's q+ = max(q, 0) and q- = min(q, 0)
     const int bh = blockIdx.y, b = bh / Hkv, h = bh % Hkv;
-    const long long masked = length ? (length[0] - 1) / page : P;   // pages from it on: -inf
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float qf[G][CPL];
-    #pragma unroll
-    for (int g = 0; g < G; ++g)
-        #pragma unroll
-        for (int c = 0; c < CPL; ++c)
-            qf[g][c] = to_float(q[b * qsb + (long long)(h * G + g) * qsh + lane * CPL + c]);
-    for (int p = blockIdx.x * WARPS + warp; p < P; p += gridDim.x * WARPS) {{
-        const long long at = b * ksb + h * ksh + (long long)p * ksp + lane * CPL;
-        float lo[CPL], hi[CPL];
-        #pragma unroll
-        for (int c = 0; c < CPL; ++c) {{ lo[c] = to_float(kmin[at + c]); hi[c] = to_float(kmax[at + c]); }}
-        float best = __int_as_float(0xff800000u);
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {{
-            float s = 0.f;
-            #pragma unroll
-            for (int c = 0; c < CPL; ++c) s += fmaxf(qf[g][c] * lo[c], qf[g][c] * hi[c]);
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            best = fmaxf(best, s);
-        }}
-        if (lane == 0) out[b * osb + h * osh + p] = p < masked ? best : __int_as_float(0xff800000u);
+    for (int i = threadIdx.x; i < G * D; i += THREADS) {{
+        const float x = to_float(q[b * qsb + (long long)(h * G + i / D) * qsh + i % D]);
+        qp[i / D][i % D] = fmaxf(x, 0.f);
+        qn[i / D][i % D] = fminf(x, 0.f);
     }}
+    __syncthreads();
+    const int p = blockIdx.x * THREADS + threadIdx.x;
+    if (p >= P) return;
+    const long long at = b * ksb + h * ksh + (long long)p * ksp;
+    const uint4* lo = reinterpret_cast<const uint4*>(kmin + at);
+    const uint4* hi = reinterpret_cast<const uint4*>(kmax + at);
+    float acc[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) acc[g] = 0.f;
+    #pragma unroll 4
+    for (int v = 0; v < D / VEC; ++v) {{
+        const uint4 l4 = lo[v], h4 = hi[v];
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) {{
+            const float l = elem(l4, j, kmin), u = elem(h4, j, kmax);
+            #pragma unroll
+            for (int g = 0; g < G; ++g) acc[g] = fmaf(qp[g][v * VEC + j], u, fmaf(qn[g][v * VEC + j], l, acc[g]));
+        }}
+    }}
+    float best = acc[0];
+    #pragma unroll
+    for (int g = 1; g < G; ++g) best = fmaxf(best, acc[g]);
+    const long long masked = length ? (length[0] - 1) / page : P;   // pages from it on: -inf
+    out[b * osb + h * osh + p] = p < masked ? best : __int_as_float(0xff800000u);
 }}
 """
 
 
 def load(reference):
     """reference: the torch page_scores, for the arguments the kernel does not take."""
-    compile_module(_SOURCE.format(d=128, g=4, warps=WARPS, kt=C_TYPES["torch.bfloat16"])).get_function(
+    compile_module(_SOURCE.format(d=128, g=4, threads=THREADS, kt=C_TYPES["torch.bfloat16"])).get_function(
         "page_scores")  # fail early
     kernels = {}
 
     def page_scores(q, kmin, kmax, length=None, page=1):
         """q [B, Hq, D] and kmin/kmax [B, Hkv, P, D] of one dtype (bf16, fp16 or fp32) on one GPU, head dim a
         multiple of 32 up to 256, at most 8 query heads per KV head, unit channel stride, kmin and kmax of one
-        layout, a length's one int64 there. Else the reference."""
+        layout with 16-byte aligned rows, a length's one int64 there. Else the reference."""
         B, Hq, D = q.shape
         Hkv, P = kmin.shape[1], kmin.shape[2]
         ok = (kmin.dim() == 4 and kmin.shape == kmax.shape and kmin.shape[0] == B and kmin.shape[3] == D
               and D % 32 == 0 and D <= 256 and Hkv > 0 and Hq % Hkv == 0 and Hq // Hkv <= 8
               and str(q.dtype) in C_TYPES and all(t.dtype == q.dtype for t in (kmin, kmax))
               and all(t.is_cuda and t.device == q.device and t.stride(-1) == 1 for t in (q, kmin, kmax))
-              and kmin.stride() == kmax.stride() and page > 0
+              and kmin.stride() == kmax.stride() and aligned(kmin, 16) and aligned(kmax, 16) and page > 0
               and (length is None or (length.numel() == 1 and length.dtype == torch.int64
                                       and length.device == q.device)))
         if not ok:
@@ -99,10 +114,10 @@ def load(reference):
         G = Hq // Hkv
         key = (q.dtype, D, G)
         if key not in kernels:
-            kernels[key] = compile_module(_SOURCE.format(d=D, g=G, warps=WARPS, kt=C_TYPES[str(q.dtype)])
+            kernels[key] = compile_module(_SOURCE.format(d=D, g=G, threads=THREADS, kt=C_TYPES[str(q.dtype)])
                                           ).get_function("page_scores")
         ks = kmin.stride()
-        launch(kernels[key], (-(-P // (WARPS * PAGES_PER_WARP)), B * Hkv), (WARPS * 32,),
+        launch(kernels[key], (-(-P // THREADS), B * Hkv), (THREADS,),
                (ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)), ptr(kmin), ptr(kmax), np.int64(ks[0]),
                 np.int64(ks[1]), np.int64(ks[2]), ptr(out), np.int64(out.stride(0)), np.int64(out.stride(1)),
                 np.int32(P), np.int32(Hkv), ptr_or_null(length), np.int32(page)),

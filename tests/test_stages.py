@@ -11,6 +11,7 @@ def test_stage_names():
     assert stage_of("sm90_xmma_gemm_bf16bf16") == "dense (gemm/gemv)"
     assert stage_of("attend_decode_partial") == "attention"
     assert stage_of("rms_norm_bf16") == "fused norm/rope/silu"
+    assert stage_of("page_scores") == stage_of("page_slots") == stage_of("bound_page") == "selection"  # quest's
     assert stage_of("void at::native::vectorized_elementwise_kernel") .startswith("other")
 
 

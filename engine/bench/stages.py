@@ -18,7 +18,7 @@ STAGES = (
     ("pcie gather", r"gather_rows|gather_long_rows|refresh_rows"),
     ("sketch scores", r"sketch_scores"),
     ("1/2-bit attention", r"qk_quant|av_quant|quant_attn"),
-    ("selection", r"approx_scores|topk|radix|sort|bitonic|channel"),
+    ("selection", r"approx_scores|topk|radix|sort|bitonic|channel|page_scores|page_slots|bound_page"),
     ("attention", r"attend_|flash|fmha|attention|cudnn|softmax"),
     ("dense (gemm/gemv)", r"gemm|gemv|cutlass|xmma|nvjet|sm90|sm80|splitk|cublas"),
     ("fused norm/rope/silu", r"rms_norm|rope|silu_mul"),
