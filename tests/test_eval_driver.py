@@ -433,6 +433,35 @@ def test_an_earlier_run_is_kept_unless_overwrite_or_resume(tiny_dir, tmp_path):
     assert (out / "eval.json").read_text() == '{"earlier": true}'
 
 
+def test_no_chart_of_an_earlier_run_stays_beside_eval_json(tiny_dir, single, tmp_path, monkeypatch):
+    """--overwrite with other budget groups and no fidelity, cut short by Ctrl-C, then resumed: the folder holds
+    this run's charts only (the earlier run's eval_scores-64.png, -12pct.png and eval_fidelity.png used to stay)."""
+    import shutil
+    out = str(tmp_path / "again")
+    shutil.copytree(single[0], out)
+    args = ["eval", "--model", tiny_dir, "--device", "cpu", "--lengths", "512", "--samples", "2", "--tasks",
+            "passkey", "--max-new-tokens", "2", "--methods", "full,streamingllm", "--budgets", "64", "--out", out]
+    real = D.run_item
+    calls = []
+
+    def run_item(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(D, "run_item", run_item)
+    r = invoke(*args, "--overwrite")
+    assert r.exit_code == 130 and "1 items saved" in r.output, r.output
+    charts = {"eval.json", "eval_scores.png", "eval_budgets.png"}
+    assert set(os.listdir(out)) == charts
+    assert load(os.path.join(out, "eval.json"))["complete"] is False
+    monkeypatch.setattr(D, "run_item", real)
+    r = invoke(*args, "--resume")
+    assert r.exit_code == 0, r.output
+    assert set(os.listdir(out)) == charts and load(os.path.join(out, "eval.json"))["complete"] is True
+
+
 def test_the_default_folder_is_claimed_before_the_model_loads(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "eval").write_text("a file where eval/results/ would go")

@@ -254,7 +254,10 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
         except KeyboardInterrupt:
             if not records:
                 raise ui.Interrupted("no item had finished, nothing was written") from None
-            save(force=True)
+            if shard_t is None:  # the charts of what finished, not an earlier run's beside them
+                write_outputs(S.results(records=records, **common), out)
+            else:
+                save(force=True)
             n_items = len({r["item"] for r in records})
             again = same_command(click_ctx, out=out, resume=True, overwrite=False)
             raise ui.Interrupted(f"{n_items} items saved in {json_path}; to finish, run: {again}") from None

@@ -135,7 +135,9 @@ def slug(label: str) -> str:
 
 
 def write_outputs(res: dict, folder: str) -> list[str]:
-    """eval.json plus the charts; returns the paths written."""
+    """eval.json plus the charts; returns the paths written. The charts of an earlier run in folder that this one
+    does not draw (other budget groups, fidelity) go: no chart beside eval.json shows another run."""
+    import fnmatch
     from tailorkv.engine.evaluation import plots
     from tailorkv.engine.results import write_json
     paths = [os.path.join(folder, "eval.json")]
@@ -151,4 +153,9 @@ def write_outputs(res: dict, folder: str) -> list[str]:
     if res.get("fidelity"):
         paths.append(os.path.join(folder, "eval_fidelity.png"))
         plots.plot_fidelity(res, paths[-1])
+    written = {os.path.basename(p) for p in paths}
+    for name in os.listdir(folder):
+        if (fnmatch.fnmatch(name, "eval_scores*.png") or name in ("eval_budgets.png", "eval_fidelity.png")) \
+                and name not in written:
+            os.unlink(os.path.join(folder, name))
     return paths
