@@ -539,6 +539,10 @@ def test_a_log_gets_one_line_per_item(single):
     _, output = single
     lines = [line for line in output.splitlines() if line.startswith("[")]
     assert lines and lines[0].startswith("[1/") and ("score" in lines[0] or "done" in lines[0])
+    # a fidelity item names its budget group: the two groups' lines of one method used to read the same
+    whats = [line.split("] ", 1)[1].split(":")[0] for line in lines]
+    assert len(set(whats)) == len(whats), whats
+    assert "512 fidelity tailorkv @ 64" in whats and "640 fidelity streamingllm @ 12%" in whats, whats
 
 
 def test_budgets_that_cover_the_whole_context_are_named():

@@ -301,7 +301,8 @@ def run_items(items, loaded, plan, suites, texts, records, bar, save, lines: boo
         task = bar.add_task("eval", total=len(items))
         for i, it in enumerate(items, 1):
             what = length_label(it["length"]) + " " + (f"{it['task']} #{it['sample']}" if it["kind"] == "task" else
-                                                       f"fidelity {it['method']}")
+                                                       f"fidelity {it['method']}"
+                                                       + ("" if it["budget"] is None else f" @ {it['budget']}"))
             bar.update(task, description=what)
             recs = D.run_item(loaded, plan, it, suites, texts,
                               on_phase=lambda s, w=what: bar.update(task, description=f"{w}: {s}"))
