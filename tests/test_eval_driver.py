@@ -316,6 +316,9 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
     r = invoke("eval-merge", out)
     assert r.exit_code == 0, r.output
     merged, ref = load(os.path.join(out, "eval.json")), load(os.path.join(single[0], "eval.json"))
+    n_items = merged["eval"]["n_items"]  # items, as the shards count them (it used to print the records' count)
+    assert f"merged 3 shards ({n_items} items, {len(merged['records']) + len(merged['fidelity'])} records)" \
+        in " ".join(r.output.split()), r.output
     assert S.strip_timing(merged["records"]) == S.strip_timing(ref["records"])
     assert S.strip_timing(merged["fidelity"]) == S.strip_timing(ref["fidelity"])
     for key in ("summary", "settings", "eval", "suites_hash", "complete"):

@@ -352,5 +352,6 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
     paths = write_outputs(res, dest)
     con = _console()
     show(res, con)
-    con.print(f"merged {len(files)} shards ({len(res['records']) + len(res['fidelity'])} items); "
+    recs = res["records"] + res["fidelity"]
+    con.print(f"merged {len(files)} shards ({len({r['item'] for r in recs})} items, {len(recs)} records); "
               f"results in {', '.join(paths)}")
