@@ -28,7 +28,7 @@ LENGTHS = "512,640"
 TASKS = "passkey,variable_tracking"
 METHODS = ["full", "tailorkv", "streamingllm"]
 COMMON = ["--device", "cpu", "--dtype", "fp32", "--lengths", LENGTHS, "--samples", "1", "--tasks", TASKS,
-          "--max-new-tokens", "4", "--budget", "64", "--sink", "8", "--recent", "16", "--channels", "4",
+          "--max-new-tokens", "4", "--sink", "8", "--recent", "16", "--channels", "4",
           "--quant-layers", "0", "--fidelity-tokens", "4", "--methods", ",".join(METHODS), "--budgets", "64,12%"]
 GROUPS = ["64", "12%"]
 RUNS = [(None, "full")] + [(b, m) for b in GROUPS for m in METHODS[1:]]  # each sample's runs, in order
@@ -525,6 +525,15 @@ def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     (["--budgets", "150%"], "must be in (0, 100%]"),
     (["--budgets", "3%", "--budget-frac", "0.03"], "--budgets and --budget-frac both given"),
     (["--budget-frac", "2"], "--budget-frac must be in (0, 1]"),
+    # a budget knob that every budget group sets for itself did nothing without a word
+    (["--methods", "full,streamingllm", "--budgets", "64", "--budget", "100"],
+     "--budget has no effect here: the budget groups of --budgets or --budget-frac set every method's budget"),
+    (["--methods", "full,snapkv", "--budget-frac", "0.1", "--budget", "100"], "drop --budget or put it in --budgets"),
+    (["--methods", "tailorkv", "--budgets", "3%", "--split", "paper", "--recent", "8"],
+     "--recent has no effect here: --split paper gives sink and recent budget/16 each; drop --recent"),
+    (["--methods", "tailorkv", "--budgets", "1024,192", "--channels", "8"],
+     "--channels has no effect here: the paper's budget groups (192, 1024) bring their own sink, recent and r"),
+    (["--methods", "streamingllm", "--budgets", "1024", "--sink", "8"], "drop --sink or add another budget"),
     (["--methods", "quest", "--budgets", "8"], "quest at length 512 budget 8"),
     (["--methods", "full,streamingllm", "--channels", "4"], "--channels has no effect under full, streamingllm"),
     (["--samples", "-1"], "--samples must be 0 or more, got -1: e.g. --samples 20"),

@@ -156,6 +156,28 @@ EVAL_OPTIONS = ("model", "weights", "random_weights", "device", "dtype", "method
                 "fidelity_tokens", "out", "shard", "resume", "overwrite")
 
 
+def check_budget_knobs(ctx: click.Context, plan) -> None:
+    """A budget knob that every budget group sets for itself is an error, as check_knob_use's are: --budget under
+    --budgets or --budget-frac; --sink and --recent under --split paper or the paper's 192/1024 groups alone;
+    --channels under those alone."""
+    from tailorkv.engine.options import given_knobs
+    kinds = {b.kind for b in plan.budgets}
+    paper_only = kinds == {"paper"}
+    paper = "the paper's budget groups (192, 1024) bring their own sink, recent and r; drop {flag} or add another " \
+            "budget to --budgets"
+    why = {"budget": None if "knobs" in kinds else "the budget groups of --budgets or --budget-frac set every "
+                                                     "method's budget; drop --budget or put it in --budgets",
+           "channels": paper if paper_only else None}
+    if "knobs" not in kinds:
+        why["sink"] = why["recent"] = paper if paper_only else (
+            "--split paper gives sink and recent budget/16 each; drop {flag} or use --split shrink"
+            if plan.split == "paper" else None)
+    for k in given_knobs(ctx):
+        if why.get(k):
+            flag = "--" + k
+            raise InputError(f"{flag} has no effect here: {why[k].format(flag=flag)}")
+
+
 def whole_context_notes(plan) -> list[str]:
     """Runs whose budget covers the whole prompt: the method then attends to every token."""
     from tailorkv.engine import ui
@@ -186,6 +208,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
     click_ctx = click.get_current_context()
     plan = make_plan(knobs, **options)
     options_mod.check_knob_use(click_ctx, plan.methods)
+    check_budget_knobs(click_ctx, plan)
     shard_t = P.parse_shard(shard)
     if shard_t is not None and not out:
         raise ui.UserError("--shard needs --out DIR: every shard of a run writes into the same folder")
