@@ -135,7 +135,8 @@ class Engine:
                     break
                 if len(out) >= max_new_tokens:
                     st.stop = "length"
-                    self.forward([tok])
+                    if len(self.tokens) < self.max_len:  # else the answer keeps it; the cache has no room
+                        self.forward([tok])
                     break
                 if len(self.tokens) + 1 > self.max_len:
                     st.stop = "context full"

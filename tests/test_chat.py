@@ -172,3 +172,22 @@ def test_an_empty_system_message_replaces_the_templates_default(smol):
     chat = ChatSession(new_chat(smol).engine, system="")
     empty = chat.render(chat.messages + [{"role": "user", "content": "Hi"}])
     assert "SmolLM" in default and "SmolLM" not in empty and "<|im_start|>system\n<|im_end|>" in empty
+
+
+def test_an_answer_that_ends_at_max_new_tokens_as_the_context_fills_is_kept(smol):
+    """The answer's last token (-n reached) arrives when the context has no room left for it: the turn ends by
+    length with every token kept, not with 'the prompt needs N+1 tokens' dropping the whole answer."""
+    chat = ChatSession(Engine(smol, build_cache(smol, MethodSettings("full"), max_len=64)), use_template=False)
+    eng = chat.engine
+    eng.eos_ids = set()  # the answer runs until a limit
+    prompt = chat.new_ids("one two three four five six")
+    eng.reset()
+    n = 64 - len(prompt) + 1  # its last token would be the 65th in a 64-token context
+    answer, stats = chat.send("one two three four five six", max_new_tokens=n)
+    assert stats.stop == "length" and stats.new_tokens == n
+    assert chat.messages[-1] == {"role": "assistant", "content": answer} and answer
+    assert len(eng.tokens) == eng.cache.length == 64  # the last token is not fed: no room for it
+    from tailorkv.engine.generate import ContextTooLong
+    with pytest.raises(ContextTooLong):
+        chat.send(" seven", max_new_tokens=4)
+    assert chat.messages[-1] == {"role": "assistant", "content": answer}
