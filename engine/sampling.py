@@ -143,14 +143,15 @@ class Sampler:
         if logits.device.type == "cuda":
             ids = ids.pin_memory().to(logits.device, non_blocking=True)
         picked = logits.index_select(-1, ids)
-        return logits.clone().index_copy_(-1, ids, torch.where(picked > 0, picked / p, picked * p))
+        big = torch.finfo(logits.dtype).max  # a penalty far from 1 may overflow: inf - inf would be NaN below
+        return logits.clone().index_copy_(-1, ids, torch.where(picked > 0, picked / p, picked * p).clamp(-big, big))
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
         """logits [B, V] (float) -> token ids [B]. history: the answer's tokens so far (for the penalty)."""
         logits = self.penalize(logits.float(), history)
-        if self.p.greedy:
+        if self.p.temperature < torch.finfo(logits.dtype).tiny:  # greedy, or a temperature that fp32 rounds to 0
             return logits.argmax(-1)
-        logits = logits / self.p.temperature
+        logits = (logits - logits.amax(-1, keepdim=True)) / self.p.temperature  # <= 0: a tiny temperature gives -inf
         k = min(self.p.top_k or logits.shape[-1], logits.shape[-1])
         vals, order = torch.topk(logits, k, dim=-1)  # sorted, largest first: top-p and min-p work on these
         probs = vals.softmax(-1)

@@ -62,6 +62,18 @@ def test_top_k_top_p_min_p():
     assert draws(SamplingParams(temperature=1, seed=0), logits) == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("params, history, expected", [
+    (dict(temperature=1e-40), [], 0),
+    (dict(temperature=1e-300), [], 0),
+    (dict(temperature=0.5, repeat_penalty=1e-300), [1], 1),  # a penalty below 1 favours the tokens seen
+])
+def test_values_that_push_logits_past_fp32_still_sample(params, history, expected):
+    """A tiny temperature or penalty sends the top logits to inf: that token is chosen (inf - inf used to give NaN
+    probabilities, and torch.multinomial a traceback)."""
+    logits = torch.tensor([[2.0, 1.9, -1.0, -1.2]])
+    assert draws(SamplingParams(seed=0, **params), logits, n=20, history=history) == {expected}
+
+
 def test_seed_repeats():
     logits = torch.randn(1, 1000)
     p = SamplingParams(temperature=1.0, seed=3)
