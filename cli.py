@@ -16,8 +16,8 @@ SAMPLING_HELP = ("Sampling defaults: each value the model's generation_config.js
                  "its model card's temperature 0.2 and top-p 0.9, kept in configs/), else llama.cpp's: temperature "
                  "0.8, top-k 40, top-p 0.95, min-p 0.05, and repeat-penalty 1.1 over the answer's last 64 tokens. "
                  "One-shot -p/-f is greedy (temperature 0) unless --temp is given, so scripts get the same answer.\n\n"
-                 "Method knobs (--bits to --quant-layers) change only the methods named in parentheses: giving one "
-                 "to a method that ignores it is an error.")
+                 "Method knobs (--bits to --own-query-below) change only the methods named in parentheses: giving "
+                 "one to a method that ignores it is an error.")
 
 
 @click.group(name="tailorkv", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})

@@ -230,6 +230,17 @@ def test_version_and_help():
         assert flag in res.output, flag
 
 
+
+def test_help_names_the_span_of_method_knobs():
+    """The epilog's "Method knobs (--A to --B)": the options from A to B are the knobs a method may ignore."""
+    import re
+    from tailorkv.cli import SAMPLING_HELP, run
+    from tailorkv.engine.settings import KNOB_USERS
+    first, last = re.search(r"Method knobs \((--[\w-]+) to (--[\w-]+)\)", SAMPLING_HELP).groups()
+    flags = [p.opts[0] for p in run.params]
+    span = {f[2:].replace("-", "_") for f in flags[flags.index(first):flags.index(last) + 1]}
+    assert span == set(KNOB_USERS), (first, last)
+
 def test_a_missing_file_raised_inside_a_command_names_the_fix(tmp_path):
     from tailorkv.engine.ui import UserError, friendly
 
