@@ -2,6 +2,7 @@
 model loads; errors a user can cause end in one line (engine/ui.py)."""
 from __future__ import annotations
 
+import errno
 import sys
 
 import click
@@ -92,11 +93,8 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     cache = build_cache(loaded, settings, ctx_len)
     chat = ChatSession(Engine(loaded, cache, sampling), system=system, use_template=not no_chat_template)
     if prompt is not None:
-        def out(s):
-            sys.stdout.write(s)
-            sys.stdout.flush()
-        _, stats = chat.send(prompt, max_new_tokens, tuple(stop), on_text=out)
-        sys.stdout.write("\n")
+        _, stats = chat.send(prompt, max_new_tokens, tuple(stop), on_text=write_answer)
+        write_answer("\n")
         from tailorkv.engine.repl import context_full_note
         note = context_full_note(stats, chat.engine, f"raise --ctx (the model supports {cfg.max_context})")
         if note:
@@ -113,6 +111,17 @@ def method_note(settings, bits: str | None, family: dict) -> str:
         return ""
     from tailorkv.engine.methods import model_bits
     return f", {settings.bits}-bit quantized layers from {'--bits' if bits is not None else model_bits(family)[1]}"
+
+
+def write_answer(text: str) -> None:
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as e:
+        if e.errno == errno.EPIPE:  # the reader stopped (| head): click ends quietly
+            raise
+        raise UserError(f"the answer cannot be written to stdout ({e.strerror}): free space there, or send it "
+                        f"elsewhere") from None
 
 
 def one_shot_prompt(prompt: str | None, prompt_file: str | None) -> str | None:
