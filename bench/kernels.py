@@ -435,8 +435,9 @@ def bench_pages():
         top = 63
         pages = torch.stack([torch.randperm(P - 1, device=DEV)[:top] for _ in range(H)])[None]
         slots = torch.empty(1, H, (top + 1) * 16, dtype=torch.long, device=DEV)
-        want = page_slots.reference(pages, want, length, 16, True, 10 ** 6, slots.clone())
-        got = kernel("quest_page_slots", pages)(pages, want, length, 16, True, 10 ** 6, slots)
+        scores = want
+        want = page_slots.reference(pages, scores, length, 16, True, 10 ** 6, slots.clone())
+        got = kernel("quest_page_slots", pages)(pages, scores, length, 16, True, 10 ** 6, slots)
         checks.append(check(f"slots H={H} P={P}", got.float(), want.float(), 0))
     Hq, H, P, D = 32, 8, 8192, 128
     nbytes = 2 * H * P * D * 2
