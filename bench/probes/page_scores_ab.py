@@ -1,10 +1,14 @@
-"""A/B of quest_page_scores: 46f3723's kernel vs head's, 128k (8 x 8192 pages, D 128)."""
+"""A/B of quest_page_scores at 128k (8 x 8192 pages, D 128): an older kernel file against the tree's.
+
+    git show 46f3723:ops/page_select_cuda.py > /tmp/psc_old.py
+    PYTHONPATH=src python3 bench/probes/page_scores_ab.py /tmp/psc_old.py
+"""
 import sys, importlib.util, torch
 sys.path.insert(0, "bench")
 import kernels as K
 from tailorkv.ops.page_select import page_scores
 from tailorkv.ops import page_select_cuda as new
-spec = importlib.util.spec_from_file_location("psc_old", "abtmp/psc_old.py"); old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
+spec = importlib.util.spec_from_file_location("psc_old", sys.argv[1]); old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 torch.manual_seed(0)
 Hq, H, P, D = 32, 8, 8192, 128
 sets = []
