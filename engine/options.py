@@ -7,7 +7,7 @@ import os
 import click
 
 from tailorkv.engine.errors import InputError
-from tailorkv.engine.ui import UserError
+from tailorkv.engine.ui import Tokens, UserError
 
 
 def model_options(fn):
@@ -42,10 +42,10 @@ def method_options(fn):
         click.option("--bits", type=click.Choice(["1", "2"]), default=None,
                      help=f"bits of quantized layers (default: the model's config, configs/NAME.json \"bits\", "
                           f"else {DEFAULT_BITS}; {_users('bits')})"),
-        click.option("--budget", type=int, default=d.budget, show_default=True,
+        click.option("--budget", type=Tokens(), default=d.budget, show_default=True,
                      help=f"tokens per sparse layer ({_users('budget')})"),
-        click.option("--sink", type=int, default=d.sink, show_default=True, help=f"first tokens kept ({_users('sink')})"),
-        click.option("--recent", type=int, default=d.recent, show_default=True,
+        click.option("--sink", type=Tokens(), default=d.sink, show_default=True, help=f"first tokens kept ({_users('sink')})"),
+        click.option("--recent", type=Tokens(), default=d.recent, show_default=True,
                      help=f"last tokens kept ({_users('recent')})"),
         click.option("--channels", type=int, default=d.channels, show_default=True,
                      help=f"r channels per KV head, at most the head dimension ({_users('channels')})"),

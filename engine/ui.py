@@ -104,6 +104,25 @@ def parse_length(text: str, flag: str = "--ctx") -> int:
     return int(n)
 
 
+class Tokens(click.ParamType):
+    """A count of tokens as --ctx takes it (1024, 1k, 0.5k); a plain integer passes as is (a negative one is left
+    to the setting's own check, which names the fix)."""
+    name = "tokens"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            pass
+        flag = param.opts[0] if param is not None else "a token count"
+        try:
+            return parse_length(value, flag)
+        except InputError as e:
+            raise UserError(str(e).replace("write e.g. 8192, 8k or 128k", "write e.g. 1024 or 1k")) from None
+
+
 def parse_ctx(text: str, flag: str = "--ctx") -> int:
     n = parse_length(text, flag)
     if n < MIN_CTX:

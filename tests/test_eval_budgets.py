@@ -13,7 +13,8 @@ def test_parse_budgets():
     assert [b.label for b in got] == ["1%", "3%", "6%", "192", "1024", "100", "50%"]  # 3% and 0.03: one group
     assert [b.kind for b in got] == ["frac"] * 3 + ["paper", "paper", "tokens", "frac"]
     assert got[1].frac == pytest.approx(0.03) and got[4].tokens == 1024
-    for bad in ("abc", "3x", "1e", "", "0%", "150%", "1.5", "1", "-4"):
+    assert [b.tokens for b in B.parse_budgets("1k,0.5k,2K")] == [1024, 512, 2048]  # as --ctx counts tokens
+    for bad in ("abc", "3x", "1e", "", "0%", "150%", "1.5", "1", "-4", "xk", "-1k"):
         with pytest.raises(ValueError, match="--budgets"):
             B.parse_budgets(bad)
 

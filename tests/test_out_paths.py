@@ -91,3 +91,11 @@ def test_check_free_names_a_folder_where_a_file_goes(tmp_path):
     with pytest.raises(ValueError, match=r"a.png is a folder, and this run writes a file there: move the folder away "
                                          r"or choose another --out"):
         check_free([str(tmp_path / "a.json"), str(tmp_path / "a.png")])
+
+
+def test_token_counts_take_ctx_suffixes():
+    import click
+    t = ui.Tokens()
+    assert [t.convert(v, None, None) for v in ("1k", "0.5k", "1024", "-4", 64)] == [1024, 512, 1024, -4, 64]
+    with pytest.raises(click.ClickException, match="is not a length: write e.g. 1024 or 1k"):
+        t.convert("1x", None, None)

@@ -68,17 +68,20 @@ class Budget:
 
 
 def parse_budget(text: str) -> Budget:
-    """'3%' or '0.03' -> a fraction of the length; '1024' -> tokens."""
+    """'3%' or '0.03' -> a fraction of the length; '1024' or '1k' -> tokens."""
     t = text.strip().lower()
     bad = InputError(f"--budgets '{text}' is not a budget: write a share of the length (3% or 0.03) or a number "
-                     f"of tokens (192, 1024)")
+                     f"of tokens (192, 1024, 1k)")
     try:
-        if t.endswith("%") or "." in t:
+        if t[-1:] in ("k", "m"):
+            tokens = ui.parse_length(t, "--budgets")
+        elif t.endswith("%") or "." in t:
             frac = float(t[:-1]) / 100 if t.endswith("%") else float(t)
             if not 0 < frac <= 1:
                 raise InputError(f"--budgets {text}: a share of the length must be in (0, 100%]")
             return Budget(f"{frac * 100:g}%", frac=frac)
-        tokens = int(t)
+        else:
+            tokens = int(t)
     except ValueError as e:
         raise (e if str(e).startswith("--budgets " + text) else bad) from None
     if tokens < 2:

@@ -84,7 +84,7 @@ def register(main: click.Group) -> list[click.Command]:
     @click.option("--seed", type=click.IntRange(0, 2 ** 63 - 1), default=0, show_default=True,
                   help="seed of the generated samples")
     @click.option("--budgets", default=None,
-                  help="budget groups: shares of the length and/or tokens, e.g. 1%,3%,6%,12%,25%,1024 (192 and 1024 "
+                  help="budget groups: shares of the length and/or tokens (1024 or 1k), e.g. 1%,3%,6%,12%,25%,1024 (192 and 1024 "
                        "bring the paper's sink/top-K/recent split and r; default: one group of --budget, 1024 unless "
                        "given)")
     @click.option("--budget-frac", type=float, default=None,
