@@ -37,7 +37,8 @@ def context_full_note(stats, engine, fix: str) -> str | None:
     """What to say when an answer stopped because the context filled up (else None)."""
     if stats.stop != "context full":
         return None
-    return (f"the answer stopped after {stats.new_tokens} tokens: the context (--ctx {engine.max_len} tokens) is "
+    n = stats.new_tokens
+    return (f"the answer stopped after {n} token{'' if n == 1 else 's'}: the context (--ctx {engine.max_len} tokens) is "
             f"full: {fix}")
 
 

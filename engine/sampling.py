@@ -28,6 +28,9 @@ GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "
              "general.sampling.penalty_last_n": "repeat_last_n"}
 
 
+EXAMPLES = {"temperature": "0.7", "top_p": "0.9", "min_p": "0.05", "repeat_penalty": "1.1"}  # for the fixes
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -41,21 +44,23 @@ class SamplingParams:
     def validate(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
             if not math.isfinite(getattr(self, name)):
-                raise InputError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+                raise InputError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}: "
+                                 f"e.g. --{name.replace('_', '-')} {EXAMPLES[name]}")
         if self.temperature < 0:
-            raise InputError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature:g}")
+            raise InputError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature:g}: e.g. --temperature 0.7")
         if not 0 < self.top_p <= 1:
-            raise InputError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p:g}")
+            raise InputError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p:g}: e.g. --top-p 0.9")
         if self.top_k < 0:
-            raise InputError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
+            raise InputError(f"--top-k must be >= 0 (0 = off), got {self.top_k}: e.g. --top-k 40")
         if not 0 <= self.min_p < 1:
-            raise InputError(f"--min-p must be in [0, 1) (0 = off), got {self.min_p:g}")
+            raise InputError(f"--min-p must be in [0, 1) (0 = off), got {self.min_p:g}: e.g. --min-p 0.05")
         if self.repeat_penalty <= 0:
-            raise InputError(f"--repeat-penalty must be > 0 (1 = off), got {self.repeat_penalty:g}")
+            raise InputError(f"--repeat-penalty must be > 0 (1 = off), got {self.repeat_penalty:g}: e.g. --repeat-penalty 1.1")
         if self.repeat_last_n < -1:
-            raise InputError(f"--repeat-last-n must be >= -1 (0 = off, -1 = the whole answer), got {self.repeat_last_n}")
+            raise InputError(f"--repeat-last-n must be >= -1 (0 = off, -1 = the whole answer), got {self.repeat_last_n}: "
+                             f"e.g. --repeat-last-n 64")
         if self.seed is not None and not 0 <= self.seed < 2 ** 63:
-            raise InputError(f"--seed must be in 0 .. 2^63 - 1, got {self.seed}")
+            raise InputError(f"--seed must be in 0 .. 2^63 - 1, got {self.seed}: e.g. --seed 42")
 
     @property
     def greedy(self) -> bool:

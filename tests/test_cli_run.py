@@ -154,10 +154,10 @@ def test_interactive_chat_commands():
     (["--predict-ahead", "2"], ["--predict-ahead has no effect under full", "tailorkv"]),
     (["--method", "tailorkv", "--predict-weights", "int4"], ["'int4' is not one of 'bf16', 'fp8'"]),
     (["--predict-weights", "fp8"], ["--predict-weights has no effect under full", "tailorkv"]),
-    (["--temp", "-1"], ["--temperature must be >= 0"]),
-    (["--top-p", "0"], ["--top-p must be in (0, 1]"]),
-    (["--min-p", "1.5"], ["--min-p must be in [0, 1)"]),
-    (["--repeat-penalty", "0"], ["--repeat-penalty must be > 0"]),
+    (["--temp", "-1"], ["--temperature must be >= 0", "e.g. --temperature 0.7"]),
+    (["--top-p", "0"], ["--top-p must be in (0, 1]", "e.g. --top-p 0.9"]),
+    (["--min-p", "1.5"], ["--min-p must be in [0, 1)", "e.g. --min-p 0.05"]),
+    (["--repeat-penalty", "0"], ["--repeat-penalty must be > 0", "e.g. --repeat-penalty 1.1"]),
     (["-t", "0"], ["--threads must be at least 1"]),
     (["--gpu-mem-limit", "1e400"], ["--gpu-mem-limit '1e400' is not a size", "24GiB"]),
     (["--gpu-mem-limit", "e"], ["--gpu-mem-limit 'e' is not a size"]),
@@ -375,3 +375,13 @@ def test_an_answer_that_cannot_be_written_ends_in_one_line():
     lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     assert lines[-1].startswith("error: the answer cannot be written to stdout (No space left on device)"), res.stderr
+
+
+def test_context_full_note_counts_one_token_as_one():
+    from types import SimpleNamespace as NS
+    from tailorkv.engine.repl import context_full_note
+    eng = NS(max_len=48)
+    one = context_full_note(NS(stop="context full", new_tokens=1), eng, "raise --ctx")
+    assert "stopped after 1 token: the context" in one
+    assert "stopped after 2 tokens:" in context_full_note(NS(stop="context full", new_tokens=2), eng, "raise --ctx")
+    assert context_full_note(NS(stop="eos", new_tokens=1), eng, "raise --ctx") is None
