@@ -298,3 +298,14 @@ def test_warm_up_runs_one_short_cell_per_method_on_a_gpu_only(tiny):
     cells = driver.warm_up(tiny, plan, force=True)
     assert [(c["method"], c["ctx"], c["status"]) for c in cells] == [("full", 256, "ok"), ("streamingllm", 256, "ok")]
     assert all(len(c["greedy_tokens"]) == 1 + 2 + 2 for c in cells)  # prefill's token, 2 warm-up, 2 timed
+
+
+@pytest.mark.parametrize("flags,line", [(["--profile", "2"], "--profile ignored: its stage breakdown needs a GPU"),
+                                        (["--profile-prefill"], "--profile-prefill ignored: its stage breakdown needs"),
+                                        (["--profile", "2", "--profile-prefill"],
+                                         "--profile and --profile-prefill ignored: their stage breakdowns need")])
+def test_profile_flags_on_cpu_name_only_those_given(tiny, tmp_path, flags, line):
+    res = bench_cmd("--model", tiny, "--random-weights", "--ctx", "64", "--methods", "full", *FAST[:8], *flags,
+                    "--out", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.output
+    assert line in " ".join(res.output.split())

@@ -260,7 +260,9 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
 
     limit = ui.cap_gpu_memory(gpu_mem_limit, dev)
     if dev.type != "cuda" and (profile_steps or profile_prefill):
-        ui.err.print("[yellow]--profile and --profile-prefill ignored: their stage breakdowns need a GPU[/]")
+        given = [f for f, on in (("--profile", profile_steps), ("--profile-prefill", profile_prefill)) if on]
+        need = "their stage breakdowns need" if len(given) == 2 else "its stage breakdown needs"
+        ui.err.print(f"[yellow]{' and '.join(given)} ignored: {need} a GPU[/]")
     hbm_measured = B.measure_hbm_gbps(dev)
     torch.manual_seed(seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
