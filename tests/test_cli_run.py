@@ -385,3 +385,19 @@ def test_context_full_note_counts_one_token_as_one():
     assert "stopped after 1 token: the context" in one
     assert "stopped after 2 tokens:" in context_full_note(NS(stop="context full", new_tokens=2), eng, "raise --ctx")
     assert context_full_note(NS(stop="eos", new_tokens=1), eng, "raise --ctx") is None
+
+
+def test_a_profile_of_another_model_with_as_many_layers_warns(tmp_path):
+    import os
+    from tailorkv.models.loader import CONFIG_DIR
+    shipped = os.path.join(CONFIG_DIR, "profiles", "smollm2-135m.json")
+    with open(shipped) as f:
+        other = dict(json.load(f), model="my-30-layer-model", weights="hf:my-30-layer-model")
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    args = ("run", "--method", "tailorkv", "-p", "hi", "-n", "2", "--device", "cpu", "--layer-profile")
+    res = call(*args, str(tmp_path / "other.json"))
+    assert res.exit_code == 0, res.output
+    line = " ".join(res.stderr.split())
+    assert "was written for my-30-layer-model, this run uses smollm2-135m" in line and "tailorkv profile" in line
+    res = call(*args, shipped)
+    assert res.exit_code == 0 and "was written for" not in res.stderr, res.output
