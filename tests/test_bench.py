@@ -1,4 +1,5 @@
 """`tailorkv bench` on CPU with a tiny random HF checkpoint: the JSON schema, the PNGs, clean errors, OOM cells."""
+import json
 import math
 import os
 
@@ -168,6 +169,11 @@ def test_ctrl_c_keeps_the_finished_cells_and_their_plots(tiny, tmp_path, monkeyp
     res = load(out / "bench.json")
     assert res["complete"] is False and [c["ctx"] for c in res["cells"]] == [128]
     check_png(out / "decode_ms.png")
+    out2 = tmp_path / "c"  # -o: the finished cells reach stdout too, marked incomplete
+    r = bench_cmd("--model", tiny, "--methods", "full", "--ctx", "128,256", "--out", str(out2), *FAST[:8], "-o", "json")
+    assert r.exit_code == 130, r.output
+    got = json.loads(r.stdout)
+    assert got["complete"] is False and [c["ctx"] for c in got["cells"]] == [128]
 
 
 def test_ctrl_c_before_any_cell_writes_nothing_and_shows_no_empty_table(tiny, tmp_path, monkeypatch):

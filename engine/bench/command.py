@@ -319,8 +319,11 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
         live.refresh()
     con.print()
     if interrupted:
-        if cells:  # the plots of the cells saved, not an earlier run's beside them
-            plot_all(B.results(loaded, plan, cells, env, command, args, hbm_measured, limit), out)
+        if cells:  # the plots of the cells saved, not an earlier run's beside them; -o gets them too
+            res = B.results(loaded, plan, cells, env, command, args, hbm_measured, limit)
+            plot_all(res, out)
+            if fmt is not None:
+                click.echo(render(res, fmt))
         kept = (f"the {len(cells)} finished cells of {total} are in {json_path} (\"complete\": false)" if cells
                 else "no cell had finished, nothing was written")
         again = " with --overwrite" if cells and given_out else ""
