@@ -101,8 +101,13 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
             err.print(f"warning: {note}", style="yellow", markup=False)
         return
     from tailorkv.engine.repl import repl
-    repl(chat, max_new_tokens, tuple(stop), sampling_note=f"{sampling.describe()} ({source})",
-         method_note=method_note(settings, bits, family))
+    try:
+        repl(chat, max_new_tokens, tuple(stop), sampling_note=f"{sampling.describe()} ({source})",
+             method_note=method_note(settings, bits, family))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # not a full disk: not ours to explain
+            raise
+        unwritable(e, "the chat")
 
 
 def method_note(settings, bits: str | None, family: dict) -> str:
@@ -118,10 +123,15 @@ def write_answer(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
     except OSError as e:
-        if e.errno == errno.EPIPE:  # the reader stopped (| head): click ends quietly
-            raise
-        raise UserError(f"the answer cannot be written to stdout ({e.strerror}): free space there, or send it "
-                        f"elsewhere") from None
+        unwritable(e, "the answer")
+
+
+def unwritable(e: OSError, what: str) -> None:
+    """stdout refused a write: one line (a full disk, /dev/full), or click's quiet end where the reader stopped."""
+    if e.errno == errno.EPIPE or e.errno is None:  # the reader stopped (| head): click ends quietly
+        raise e
+    raise UserError(f"{what} cannot be written to stdout ({e.strerror}): free space there, or send it "
+                    f"elsewhere") from None
 
 
 def one_shot_prompt(prompt: str | None, prompt_file: str | None) -> str | None:

@@ -361,8 +361,10 @@ def test_a_bug_inside_a_chat_turn_shows_its_traceback_and_keeps_the_chat(monkeyp
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
-def test_an_answer_that_cannot_be_written_ends_in_one_line():
-    """stdout on a full disk (here /dev/full): one line naming the cause, exit status 1, no traceback."""
+@pytest.mark.parametrize("args,stdin,what", [(["-p", "Hi"], None, "the answer"), ([], "Hi\n", "the chat")])
+def test_an_answer_that_cannot_be_written_ends_in_one_line(args, stdin, what):
+    """stdout on a full disk (here /dev/full), one-shot and chat: one line naming the cause, exit status 1, no
+    traceback."""
     import os
     import subprocess
     import sys
@@ -370,11 +372,11 @@ def test_an_answer_that_cannot_be_written_ends_in_one_line():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
     with open("/dev/full", "w") as full:
-        res = subprocess.run([sys.executable, "-m", "tailorkv.cli", "run", "-p", "Hi", "-n", "4", "--device", "cpu"],
-                             stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+        res = subprocess.run([sys.executable, "-m", "tailorkv.cli", "run", *args, "-n", "4", "--device", "cpu"],
+                             input=stdin, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
     lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
-    assert lines[-1].startswith("error: the answer cannot be written to stdout (No space left on device)"), res.stderr
+    assert lines[-1].startswith(f"error: {what} cannot be written to stdout (No space left on device)"), res.stderr
 
 
 def test_context_full_note_counts_one_token_as_one():
