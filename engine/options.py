@@ -160,27 +160,26 @@ def check_for_model(settings_list, cfg, ctx: click.Context, family: dict) -> lis
                                  f"profile has none: write one with `tailorkv profile --model {model} --out prof.json`"
                                  f" and pass --layer-profile prof.json")
             s = with_profile(s, family, cfg.n_layers, model)
-            warn_other_model(s, ctx.params.get("model"), family, model)
             (s if "channels" in given else replace(s, channels=1)).check_model(cfg.head_dim, cfg.n_layers)
             checked.append(s)
         except InputError as e:
             raise UserError(str(e)) from None
+    for path in {s.layer_profile for s in checked if s.method == "tailorkv" and s.layer_profile}:  # one warning
+        warn_other_model(path, ctx.params.get("model"), family, model)
     return checked
 
 
-def warn_other_model(settings, model_arg: str | None, family: dict, model: str) -> None:
+def warn_other_model(path: str, model_arg: str | None, family: dict, model: str) -> None:
     """A --layer-profile written for another model (its "model" field, same layer count) is used with a warning:
     a fine-tune may share its base's layer types, another model need not."""
     from tailorkv.engine.methods import read_profile
     from tailorkv.engine.ui import err
-    if settings.method != "tailorkv" or not settings.layer_profile:
-        return
-    prof = read_profile(settings.layer_profile)
+    prof = read_profile(path)
     written, weights = prof.get("model"), str(prof.get("weights", "")).partition(":")[2]
     base = os.path.basename(os.path.normpath(model_arg or ""))
     run = {model_arg, base, os.path.splitext(base)[0], family.get("name")}
     if isinstance(written, str) and not run & {written, weights}:
-        err.print(f"[yellow]warning: --layer-profile {settings.layer_profile} was written for {written}, this run "
+        err.print(f"[yellow]warning: --layer-profile {path} was written for {written}, this run "
                   f"uses {model_arg}: its layer types may not fit (`tailorkv profile --model {model}` writes this "
                   f"model's)[/]")
 

@@ -28,7 +28,12 @@ GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "
              "general.sampling.penalty_last_n": "repeat_last_n"}
 
 
-EXAMPLES = {"temperature": "0.7", "top_p": "0.9", "min_p": "0.05", "repeat_penalty": "1.1"}  # for the fixes
+EXAMPLES = {"temperature": "0.7", "top_p": "0.9", "top_k": "40", "min_p": "0.05", "repeat_penalty": "1.1",
+            "repeat_last_n": "64", "seed": "42"}  # the fix each error names
+
+
+def _eg(name: str) -> str:
+    return f"e.g. --{name.replace('_', '-')} {EXAMPLES[name]}"
 
 
 @dataclass
@@ -45,22 +50,22 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise InputError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}: "
-                                 f"e.g. --{name.replace('_', '-')} {EXAMPLES[name]}")
+                                 f"{_eg(name)}")
         if self.temperature < 0:
-            raise InputError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature:g}: e.g. --temperature 0.7")
+            raise InputError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature:g}: {_eg('temperature')}")
         if not 0 < self.top_p <= 1:
-            raise InputError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p:g}: e.g. --top-p 0.9")
+            raise InputError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p:g}: {_eg('top_p')}")
         if self.top_k < 0:
-            raise InputError(f"--top-k must be >= 0 (0 = off), got {self.top_k}: e.g. --top-k 40")
+            raise InputError(f"--top-k must be >= 0 (0 = off), got {self.top_k}: {_eg('top_k')}")
         if not 0 <= self.min_p < 1:
-            raise InputError(f"--min-p must be in [0, 1) (0 = off), got {self.min_p:g}: e.g. --min-p 0.05")
+            raise InputError(f"--min-p must be in [0, 1) (0 = off), got {self.min_p:g}: {_eg('min_p')}")
         if self.repeat_penalty <= 0:
-            raise InputError(f"--repeat-penalty must be > 0 (1 = off), got {self.repeat_penalty:g}: e.g. --repeat-penalty 1.1")
+            raise InputError(f"--repeat-penalty must be > 0 (1 = off), got {self.repeat_penalty:g}: {_eg('repeat_penalty')}")
         if self.repeat_last_n < -1:
             raise InputError(f"--repeat-last-n must be >= -1 (0 = off, -1 = the whole answer), got {self.repeat_last_n}: "
-                             f"e.g. --repeat-last-n 64")
+                             f"{_eg('repeat_last_n')}")
         if self.seed is not None and not 0 <= self.seed < 2 ** 63:
-            raise InputError(f"--seed must be in 0 .. 2^63 - 1, got {self.seed}: e.g. --seed 42")
+            raise InputError(f"--seed must be in 0 .. 2^63 - 1, got {self.seed}: {_eg('seed')}")
 
     @property
     def greedy(self) -> bool:

@@ -91,8 +91,8 @@ def friendly(fn):
     return wrapper
 
 
-def parse_length(text: str, flag: str = "--ctx") -> int:
-    """'8192', '8k', '0.5k', '1m' -> tokens (k = 1024); an InputError naming `flag` otherwise."""
+def parse_length(text: str, flag: str = "--ctx", examples: str = "8192, 8k or 128k") -> int:
+    """'8192', '8k', '0.5k', '1m' -> tokens (k = 1024); an InputError naming `flag` and `examples` otherwise."""
     t = text.strip().lower()
     scale = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
     try:
@@ -100,7 +100,7 @@ def parse_length(text: str, flag: str = "--ctx") -> int:
     except ValueError:
         n = -1
     if not 0 <= n < 2 ** 62:  # also inf, nan
-        raise InputError(f"{flag} '{text}' is not a length: write e.g. 8192, 8k or 128k")
+        raise InputError(f"{flag} '{text}' is not a length: write e.g. {examples}")
     return int(n)
 
 
@@ -118,9 +118,9 @@ class Tokens(click.ParamType):
             pass
         flag = param.opts[0] if param is not None else "a token count"
         try:
-            return parse_length(value, flag)
+            return parse_length(value, flag, "1024 or 1k")
         except InputError as e:
-            raise UserError(str(e).replace("write e.g. 8192, 8k or 128k", "write e.g. 1024 or 1k")) from None
+            raise UserError(str(e)) from None
 
 
 def parse_ctx(text: str, flag: str = "--ctx") -> int:
