@@ -11,7 +11,8 @@ kernel's grid ahead of its layer sized for N blocks per SM at any --predict-ahea
 after the qkv projection); sketch-after-qkv (only its sketch, top-K and gather queued after it);
 select-priority-0 (the select stream at normal priority); host-pinned (the sparse layers' host stores pinned,
 not ops/host_memory.py's managed memory); hostcopy-dma (rows written into managed stores by the DMA, not the SMs);
-hostcopy-blocks-N (the SMs' copy kernel's blocks); embed-device (an untied embedding table kept on the
+hostcopy-blocks-N (the SMs' copy kernel's blocks); topk-short-N (rows of up to N keys take the top-K in one stage;
+0: the split rule alone); embed-device (an untied embedding table kept on the
 device, not in pinned host memory); several joined by "+". (Queries predicted N layers ahead: --predict-ahead N.)"""
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import torch
 # variant prefix -> (the kernel's module in ops/, its constants by variant name), read when the kernel loads
 KERNEL_KNOBS = {"gather": ("host_gather_cuda", {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL"}),
                 "refresh": ("row_cache_cuda", {"threads": "THREADS", "unroll": "UNROLL"}),
-                "hostcopy": ("host_copy", {"blocks": "BLOCKS"})}
+                "hostcopy": ("host_copy", {"blocks": "BLOCKS"}),
+                "topk": ("topk_cuda", {"short": "ONE_STAGE_MAX_N"})}
 
 
 def patch(variants: str) -> None:

@@ -154,6 +154,8 @@ def test_topk_stretches_balance_the_two_stages():
     assert stretches(512, 4096, 128, 132) == 1       # rows fill the GPU: one stage
     assert stretches(8, 2048, 896, 132) == 1         # a short row: one stage
     assert stretches(1, 1 << 20, 1, 132) == 264      # capped at two blocks per SM
+    assert stretches(8, 8192, 63, 132) == 1          # up to ONE_STAGE_MAX_N keys: one stage
+    assert stretches(8, 16385, 63, 132) == 16        # just past it: the split rule
 
 
 @pytest.mark.cuda
