@@ -93,6 +93,25 @@ def test_big_budget_equals_full(gen, small_flush, hq, hkv):
     assert flushed >= 2 and sp.length == full.length == P + 20
 
 
+def test_a_budget_far_past_the_context_reads_only_the_middles_bucket(gen, small_flush):
+    """Each step's whole middle is read over its bucket, not over the budget: a budget of 100,000 tokens costs
+    a 40-token context what a budget of 256 does."""
+    B, hq, hkv, D, P = 1, 4, 2, 16, 40
+    spec = spec_of(hq, hkv, D, B)
+    sp, full = One(SparseOffloadCache(spec, settings(budget=100_000))), One(FullCache(spec))
+    widths = []
+    sp.policy.selector = ObservedSelector(sp.policy.selector, lambda layer, q1, pos: widths.append(pos.shape[-1]))
+    q, k, v = qkv(gen, B, hq, hkv, P, D)
+    sp.attend(q, k, v, 0), full.attend(q, k, v, 0)
+    row = B * hkv * D * 4
+    for step in range(12):
+        q, k, v = qkv(gen, B, hq, hkv, 1, D)
+        mid = len(sp.regions()["middle"])
+        assert rel_err(sp.attend(q, k, v, P + step), full.attend(q, k, v, P + step)) < 1e-5
+        assert widths[-1] == fine_bucket(mid) == 256 and sp.stats()["bytes_fetched"] == 2 * 256 * row
+    assert len(widths) == 12
+
+
 # --- (b) with all channels, the chosen top-K is the exact top-K ---------------------------------------------
 @pytest.mark.parametrize("hq,hkv", GQA)
 def test_all_channels_gives_exact_topk(gen, hq, hkv):

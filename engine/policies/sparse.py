@@ -93,7 +93,7 @@ class SparseOffloadCache(LayerCache):
             self.sketch.reset()
         self.selector.reset()
         self.q_hat = None
-        self.middle_bucket, self.middle_whole, self.prefetched = 0, False, False
+        self.middle_bucket, self.middle_whole, self.whole_width, self.prefetched = 0, False, 0, False
         self._fetched = f"kt_rows:{self.spec.layer_idx}"
 
     def _set_tail_start(self, pos: int) -> None:
@@ -156,9 +156,10 @@ class SparseOffloadCache(LayerCache):
         return sketch + self.selector.device_bytes() + sum(t.numel() * t.element_size() for t in held)
 
     def whole_middle(self, q) -> torch.Tensor:
-        """A middle of at most top-K tokens taken whole: positions sink .. sink + K - 1 (those past the
-        middle are masked by the caller) [B, Hkv, K]."""
-        k = self.topk
+        """A middle of at most top-K tokens taken whole: positions sink .. sink + n - 1, n its bucket capped at
+        K (those past the middle are masked by the caller) [B, Hkv, n]. Not K wide: a budget far past the context
+        would make every step read that many rows."""
+        k = self.whole_width
         pos = torch.arange(self.sink, self.sink + k, device=q.device).clamp_max(self.spec.max_len - 1)
         return pos.expand(q.shape[0], self.spec.n_kv_heads, k)
 
@@ -177,16 +178,18 @@ class SparseOffloadCache(LayerCache):
             return None
         self.middle_whole = 0 < mid <= self.topk
         self.middle_bucket = min(fine_bucket(mid), self.most_middle()) if mid > self.topk else 0
+        self.whole_width = min(fine_bucket(mid), self.topk) if self.middle_whole else 0
         self._plan_buffers()
         fetched = min(mid, self.topk)
         kt_rows = 0 if self.sketch is not None else self.r * self.middle_bucket
         kt_bytes = self.spec.batch * self.spec.n_kv_heads * kt_rows * self.host_k.element_size()
         self.prefetch_after_attention = self.sketch is None and kt_bytes <= LATE_PREFETCH_BYTES
-        gathered = self.topk if mid > 0 else 0
+        gathered = self.whole_width if self.middle_whole else self.topk if mid > 0 else 0
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
         self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
                      "middle_tokens": mid, "tokens_attended": on_device + fetched}
-        return ("whole" if self.middle_whole else "none" if mid <= 0 else "select", self.middle_bucket)
+        return ("whole", self.whole_width) if self.middle_whole else ("none" if mid <= 0 else "select",
+                                                                      self.middle_bucket)
 
     def most_middle(self) -> int:
         """The largest middle bucket: the whole middle, or the sketch's whole groups covering it."""
