@@ -81,6 +81,7 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     settings, = check_for_model([settings], cfg, click.get_current_context(), family)
     dt = pick_dtype(dtype, dev, cfg)
     settings = plan_memory(settings, cfg, family, ctx_len, limit, dt, click.get_current_context())
+    whole_context_note(settings, ctx_len)
 
     loaded = load_with_progress(model, weights, random_weights, dev, dt)
     from tailorkv.models.loader import require_tokenizer
@@ -108,6 +109,15 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # not a full disk: not ours to explain
             raise
         unwritable(e, "the chat")
+
+
+def whole_context_note(settings, ctx_len: int) -> None:
+    """As bench and eval say: a budget as large as the context makes the method attend to every token."""
+    from tailorkv.engine.settings import KNOB_USERS
+    from tailorkv.engine.ui import every_token_note
+    if settings.method in KNOB_USERS["budget"] and settings.budget >= ctx_len:
+        err.print(f"note: --budget {settings.budget} covers the whole context (--ctx {ctx_len}): "
+                  f"{every_token_note(settings.method)}", style="dim", markup=False)
 
 
 def method_note(settings, bits: str | None, family: dict) -> str:

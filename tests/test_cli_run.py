@@ -20,6 +20,14 @@ def test_capital_of_france():
     assert "Paris" in res.stdout
 
 
+def test_a_budget_covering_the_context_is_named():
+    res = call("run", "-p", "Hi", "-n", "2", "--device", "cpu", "--ctx", "512", "--method", "tailorkv", "--budget", "600")
+    assert res.exit_code == 0, res.output
+    assert "--budget 600 covers the whole context (--ctx 512): its sparse layers attend to every token" in res.stderr
+    res = call("run", "-p", "Hi", "-n", "2", "--device", "cpu", "--ctx", "512", "--method", "tailorkv", "--budget", "300")
+    assert res.exit_code == 0 and "covers the whole context" not in res.stderr, res.output
+
+
 def test_unknown_model_name():
     assert_clean_error(call("run", "-m", "llama-9000", "-p", "hi"), "unknown model 'llama-9000'", "smollm2-135m")
 
