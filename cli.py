@@ -10,7 +10,7 @@ import click
 from tailorkv import __version__
 from tailorkv.engine.options import (check_for_model, check_knob_use, method_options, model_defaults, model_options,
                                      peek, plan_memory, settings_from)
-from tailorkv.engine.ui import (OneLineErrors, UserError, cap_gpu_memory, check_ctx, err, friendly,
+from tailorkv.engine.ui import (FULL_DISK, OneLineErrors, UserError, cap_gpu_memory, check_ctx, err, friendly,
                                 load_with_progress, parse_ctx, pick_device, pick_dtype, read_text_file, set_threads, utf8_text)
 
 SAMPLING_HELP = ("Sampling defaults: each value the model's generation_config.json names (for smollm2-135m, "
@@ -106,7 +106,7 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
         repl(chat, max_new_tokens, tuple(stop), sampling_note=f"{sampling.describe()} ({source})",
              method_note=method_note(settings, bits, family))
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # not a full disk: not ours to explain
+        if e.errno not in FULL_DISK:  # not a full disk: not ours to explain
             raise
         unwritable(e, "the chat")
 

@@ -4,6 +4,7 @@ engine/options.py. Used by cli.py and the tool commands (engine/bench, evaluatio
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import math
 import os
@@ -63,6 +64,7 @@ class OneLineErrors(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of space (or /dev/full)
 HOST_OOM = ("this machine ran out of memory (RAM): use --dtype bf16 (half of fp32's bytes), a lower --ctx or a "
             "smaller model, or close what else uses memory")
 
@@ -88,6 +90,12 @@ def friendly(fn):
             raise
         except FileNotFoundError as e:
             raise UserError(f"{e.filename}: no such file: check the path") from None
+        except OSError as e:
+            if e.errno not in FULL_DISK:
+                raise
+            where = e.filename if e.filename is not None else "stdout"
+            raise UserError(f"the output cannot be written to {where} ({e.strerror}): free space there, or send "
+                            f"it elsewhere") from None
     return wrapper
 
 

@@ -262,6 +262,52 @@ def test_a_missing_file_raised_inside_a_command_names_the_fix(tmp_path):
         command()
 
 
+def test_a_full_disk_inside_a_command_is_one_line(tmp_path):
+    import errno
+    from tailorkv.engine.ui import UserError, friendly
+
+    def raising(exc):
+        @friendly
+        def command():
+            raise exc
+        return command
+
+    with pytest.raises(UserError, match=r"cannot be written to stdout \(No space left on device\): free space"):
+        raising(OSError(errno.ENOSPC, "No space left on device"))()
+    with pytest.raises(UserError, match="cannot be written to /x/eval.json"):
+        raising(OSError(errno.EDQUOT, "Disk quota exceeded", "/x/eval.json"))()
+    with pytest.raises(PermissionError):  # not a full disk: not explained as one
+        raising(PermissionError(errno.EACCES, "Permission denied", "/x"))()
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("command", ["bench", "profile", "eval-merge"])
+def test_results_that_cannot_be_printed_end_in_one_line(tmp_path, command):
+    """stdout on a full disk under bench, profile and eval-merge: the files are written, then one line."""
+    import os
+    import subprocess
+    import sys
+    smollm2_gguf_or_skip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
+    cli = [sys.executable, "-m", "tailorkv.cli"]
+    args = {"bench": ["bench", "--ctx", "1k", "--methods", "full", "--decode-steps", "2", "--device", "cpu",
+                      "--out", str(tmp_path / "b")],
+            "profile": ["profile", "--length", "512", "--device", "cpu", "--out", str(tmp_path / "p.json")],
+            "eval-merge": ["eval-merge", str(tmp_path / "e"), "--out", str(tmp_path / "m")]}[command]
+    wrote = {"bench": tmp_path / "b" / "bench.json", "profile": tmp_path / "p.json", "eval-merge": tmp_path / "m" / "eval.json"}
+    if command == "eval-merge":
+        subprocess.run(cli + ["eval", "--methods", "full", "--lengths", "1k", "--samples", "1", "--tasks", "passkey",
+                              "--device", "cpu", "--shard", "0/1", "--out", str(tmp_path / "e")],
+                       capture_output=True, env=env, timeout=300, check=True)
+    with open("/dev/full", "w") as full:
+        res = subprocess.run(cli + args, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert lines[-1].startswith("error: the output cannot be written to stdout (No space left on device)"), res.stderr
+    assert wrote[command].exists()
+
+
 def test_only_the_users_input_errors_become_one_line():
     """An InputError (a flag, a file, a limit) is the user's: one line. A plain ValueError from inside the engine
     is a bug, and keeps its traceback rather than passing for the user's mistake."""
