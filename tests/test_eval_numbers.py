@@ -403,3 +403,38 @@ def test_numbered_dir_uses_todays_date(tmp_path):
     out = R.numbered_dir("m", str(tmp_path), "eval.json")
     after = datetime.date.today().isoformat()
     assert os.path.basename(out) in (f"{before}-m", f"{after}-m")
+
+
+def _edit(change):
+    def edit(res):
+        exec(change, {}, {"res": res})
+        return res
+    return edit
+
+
+MALFORMED = [('res["records"] = None', "its 'records' is null"),
+             ('res["records"][0]["score"] = "abc"', "record 0's 'score' is \"abc\", not a number"),
+             ('res["records"][0]["index"] = 1.5', "record 0 has no int 'index'"),
+             ('res["records"][1] = 7', "record 1 is 7"),
+             ('res["shard"] = {"index": "a"}', "its 'shard' lacks a whole index and count"),
+             ('res["eval"] = []', "its 'eval' is []")]
+
+
+@pytest.mark.parametrize("change, why", MALFORMED, ids=[c for c, _ in MALFORMED])
+def test_a_results_file_of_the_wrong_types_is_named(tmp_path, change, why):
+    """A hand-edited shard: one message naming the entry, before any reader trips on it."""
+    from tailorkv.engine.evaluation.merge import read_results
+    path = tmp_path / FILE.format(0, 2)
+    path.write_text(json.dumps(_edit(change)(shard(0, 2))))
+    with pytest.raises(ValueError, match=re.escape(f"{path} is not an eval results file ({why})")):
+        read_results(str(path))
+    path.write_text(json.dumps(shard(0, 2)))
+    assert read_results(str(path))["records"]
+
+
+def test_a_shard_whose_plan_is_malformed_is_named():
+    s0, s1 = shard(0, 2), shard(1, 2)
+    del s0["eval"]["lengths"], s1["eval"]["lengths"]
+    with pytest.raises(ValueError, match=re.escape(f"{FILE.format(0, 2)} is not an eval results file (its 'eval' "
+                                                   "entry is malformed: KeyError('lengths')): rerun that shard")):
+        merge_shards([(FILE.format(0, 2), s0), (FILE.format(1, 2), s1)])

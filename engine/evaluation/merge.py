@@ -39,7 +39,11 @@ def merge_shards(shards: list[tuple[str, dict]], partial: bool = False) -> tuple
                          f"others with --partial")
     if missing:
         warnings.append(f"partial merge: shards {missing} of {count} wrote no file")
-    plan = EvalPlan.from_dict(first["eval"])
+    try:
+        plan = EvalPlan.from_dict(first["eval"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{name0} is not an eval results file (its 'eval' entry is malformed: {e!r}): rerun that "
+                         f"shard with --overwrite") from None
     records, seen = [], {}
     for name, res in shards:
         for r in res["records"] + res["fidelity"]:
@@ -112,5 +116,37 @@ def read_results(path: str) -> dict:
     missing = [k for k in RESULT_KEYS if k not in res] if isinstance(res, dict) else list(RESULT_KEYS)
     if missing:
         raise InputError(f"{path} is not an eval results file (no {', '.join(missing)})")
+    bad = malformed(res)
+    if bad:
+        raise InputError(f"{path} is not an eval results file ({bad})")
     return res
+
+
+NUMBER = (int, float)
+ENTRY_TYPES = {"eval": dict, "records": list, "fidelity": list, "env": dict, "command": str, "args": dict,
+               "model": dict, "shard": (dict, type(None))}
+RECORD_TYPES = {"index": int, "item": int, "status": str, "kind": str, "method": str, "length": int}
+RECORD_NUMBERS = ("score", "dnll", "agree", "wall_s", "nll_method", "nll_full", "kl_mean", "kl_max", "attn_recall",
+                  "sample")
+
+
+def malformed(res: dict) -> str | None:
+    """What in a results file's entries and records is not of the type its readers take (a hand edit, another
+    program's file), or None."""
+    for key, want in ENTRY_TYPES.items():
+        if key in res and not isinstance(res[key], want):
+            return f"its '{key}' is {json.dumps(res[key])[:40]}"
+    if res.get("shard") is not None and not all(isinstance(res["shard"].get(k), int) for k in ("index", "count")):
+        return "its 'shard' lacks a whole index and count"
+    for n, r in enumerate(res["records"] + res["fidelity"]):
+        if not isinstance(r, dict):
+            return f"record {n} is {json.dumps(r)[:40]}"
+        for key, want in RECORD_TYPES.items():
+            if not isinstance(r.get(key), want) or isinstance(r.get(key), bool):
+                return f"record {n} has no {want.__name__} '{key}'"
+        for key in RECORD_NUMBERS:
+            v = r.get(key)
+            if v is not None and (not isinstance(v, NUMBER) or isinstance(v, bool)):
+                return f"record {n}'s '{key}' is {json.dumps(v)[:40]}, not a number"
+    return None
 
