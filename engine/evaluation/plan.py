@@ -149,6 +149,10 @@ class EvalPlan:
         if self.protocol not in PROTOCOLS:
             raise InputError(f"--protocol {self.protocol}: use {', '.join(PROTOCOLS)}")
         for n in self.lengths:
+            if self.max_new_tokens is not None and self.samples and self.max_new_tokens >= n:
+                raise InputError(f"--max-new-tokens {self.max_new_tokens} leaves no room for the prompt in the length "
+                                 f"{n} (a length holds prompt and answer): lower --max-new-tokens, e.g. 64, or "
+                                 f"raise --lengths")
             if self.fidelity_tokens and self.fidelity_tokens >= n:
                 raise InputError(f"--fidelity-tokens {self.fidelity_tokens} must be smaller than the length {n}")
         for n in self.lengths:
