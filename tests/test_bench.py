@@ -203,6 +203,8 @@ def test_unknown_method_is_a_clean_error(tiny, tmp_path):
     (["--decode-steps", "0"], ["--decode-steps must be at least 1, got 0"]),
     (["--warmup", "-1"], ["--warmup must be at least 0, got -1"]),
     (["--gpu-mem-limit", "0"], ["--gpu-mem-limit '0' is not a size"]),
+    (["--batch", "10000000"], ["--batch 10000000 at --ctx", "for one layer's prefill alone, more than this machine's "
+                               "RAM", "lower --batch or --ctx"]),
 ])
 def test_bad_bench_values_are_one_line_before_loading(tiny, tmp_path, args, needles):
     r = bench_cmd("--model", tiny, "--methods", "full", "--out", str(tmp_path / "b"), *args)
@@ -246,6 +248,11 @@ def test_oom_cell_is_reported_and_the_sweep_goes_on(tiny, tmp_path, monkeypatch)
     assert "tailorkv.engine.policies.snapkv" in snap["error"] and "traceback" in snap
     assert "OOM" in r.output
     check_png(tmp_path / "bench" / "results" / folder / "decode_ms.png")
+    r = bench_cmd("--model", tiny, "--ctx", "128", "--methods", "streamingllm,snapkv", *FAST[:6], "--budget", "48",
+                  "--sink", "8", "--out", str(tmp_path / "failed"))
+    assert r.exit_code == 1, r.output  # a sweep of failures is not a measurement: a script must see it
+    assert "error: no cell ran: all 2 failed (the lines above name each cause)" in r.output
+    assert load(tmp_path / "failed" / "bench.json")["cells"][0]["status"] == "oom"
 
 
 def test_helpers():

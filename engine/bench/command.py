@@ -116,6 +116,24 @@ def whole_context_notes(plan) -> list[str]:
     return notes
 
 
+def check_batch_fits(cfg, batch: int, ctx: int, dt, dev, limit: int | None) -> None:
+    """Before loading: a batch whose prefill of one layer alone passes the device's memory (or the host's RAM)
+    would only fill the sweep with failed cells."""
+    import torch
+    from tailorkv.engine import ui
+    from tailorkv.engine.memory_plan import prefill_activation_bytes
+    if batch == 1:
+        return
+    if dev.type == "cuda":
+        have, where = limit or torch.cuda.get_device_properties(dev).total_memory, "the GPU's memory"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+    need = prefill_activation_bytes(cfg, ctx, batch, dt.itemsize)
+    if need > have:
+        raise ui.UserError(f"--batch {batch} at --ctx {ctx} needs {ui.fmt_bytes(need)} for one layer's prefill alone, "
+                           f"more than {where} ({ui.fmt_bytes(have)}): lower --batch or --ctx")
+
+
 def default_ctxs(max_context: int) -> list[int]:
     return [c for c in DEFAULT_CTXS if c <= max_context] or [max_context]
 
@@ -237,6 +255,7 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
                        hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps,
                        profile_prefill=profile_prefill)
     plan.validate(cfg.max_context)
+    check_batch_fits(cfg, batch, max(ctx_list), dt, dev, limit)
     given_out = out is not None
     if given_out:
         R.check_free([os.path.join(R.check_out(out), f) for f in ("bench.json", *PLOTS)])
@@ -348,3 +367,6 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
     con.print(f"{ok}/{len(cells)} cells ok; results in {json_path}, plots {', '.join(pngs)}")
     if fmt is not None:
         click.echo(render(res, fmt))
+    if not ok:  # a script must not take a sweep of failures for a measurement
+        raise ui.UserError(f"no cell ran: all {len(cells)} failed (the lines above name each cause); their errors "
+                           f"are in {json_path}")
