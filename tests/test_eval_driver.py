@@ -381,6 +381,7 @@ def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
     # another run's file is refused in one line, and left as it was
     r = invoke(*args, "--resume", "--seed", "5")
     assert r.exit_code == 1 and "holds another run" in r.output and "'eval' differs" in r.output
+    assert "loading" not in r.output  # found before the weights load
     assert load(path) == res
 
 

@@ -236,6 +236,9 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
                             f"({cfg.max_context} tokens): lower --lengths")
     options_mod.check_for_model([plan.settings(m, n, b.label) for m in plan.methods for n in plan.lengths
                                  for b in plan.budgets], cfg, click_ctx, family)
+    if prev is not None:  # another run's file: refused before the weights load
+        M.check_same_run(prev, S.results(command="", args={}, env={}, model={}, plan=plan, shard=shard_t,
+                                         records=[]), done_path)
     for note in whole_context_notes(plan):
         ui.err.print(f"[yellow]{escape(note)}[/]")
     tok = options_mod.peek_tokenizer(model, weights, random_weights)

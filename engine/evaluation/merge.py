@@ -86,11 +86,7 @@ def resumable_records(prev: dict, fresh: dict, name: str, plan: EvalPlan) -> lis
     """The records of the finished items of an earlier results file `prev` of the same run as `fresh` (an empty
     results dict of the run about to start): items whose every record is there and 'ok' (an item with a
     failed or missing record runs again whole). InputError when `prev` belongs to another run."""
-    fresh = json.loads(json.dumps(fresh, default=str))  # tuples -> lists, as read back from a file
-    for key in SAME_KEYS + ("shard",):
-        if prev.get(key) != fresh.get(key):
-            raise InputError(f"--resume: {name} holds another run (its '{key}' differs): use the command that "
-                             f"wrote it, or another --out")
+    check_same_run(prev, fresh, name, SAME_KEYS + ("shard",))
     if (prev.get("model") or {}).get("name") != (fresh.get("model") or {}).get("name"):
         raise InputError(f"--resume: {name} ran another model: use another --out")
     want: dict = {}
@@ -101,6 +97,19 @@ def resumable_records(prev: dict, fresh: dict, name: str, plan: EvalPlan) -> lis
         by_item.setdefault(r["item"], []).append(r)
     return [r for item, rs in by_item.items() if {r["index"] for r in rs} == want.get(item)
             and all(r["status"] == "ok" for r in rs) for r in rs]
+
+
+PLAN_KEYS = ("schema", "kind", "eval", "settings", "shard")  # known before the model loads
+
+
+def check_same_run(prev: dict, fresh: dict, name: str, keys=PLAN_KEYS) -> None:
+    """--resume: an InputError when `prev` (a results file) and `fresh` (results of the run about to start)
+    differ in `keys`: PLAN_KEYS alone before the model loads, SAME_KEYS and the shard after."""
+    fresh = json.loads(json.dumps(fresh, default=str))  # tuples -> lists, as read back from a file
+    for key in keys:
+        if prev.get(key) != fresh.get(key):
+            raise InputError(f"--resume: {name} holds another run (its '{key}' differs): use the command that "
+                             f"wrote it, or another --out")
 
 
 RESULT_KEYS = ("eval", "records", "fidelity", "env", "command", "args", "model")
