@@ -573,6 +573,20 @@ def test_budgets_that_cover_the_whole_context_are_named():
     assert whole_context_notes(plan) == []
 
 
+def test_a_given_sink_scaled_down_by_small_budgets_is_named():
+    from tailorkv.engine.evaluation.budgets import parse_budgets
+    from tailorkv.engine.evaluation.command import shrunk_notes
+    from tailorkv.engine.settings import MethodSettings
+    plan = P.EvalPlan(lengths=[512], methods=["full", "tailorkv"], tasks=["passkey"], samples=1,
+                      budgets=parse_budgets("3%,50%"), base=MethodSettings(method="full", sink=4, recent=8))
+    assert shrunk_notes(plan, ["sink"]) == [
+        "--sink 4 does not fit in every budget (--split shrink keeps sink + recent within half of it): sink 2 for "
+        "tailorkv @ 3% at 512. --split paper gives budget/16 each"]
+    assert shrunk_notes(plan, []) == []  # the default sink, scaled as the convention says: no note
+    plan.budgets = parse_budgets("50%")
+    assert shrunk_notes(plan, ["sink", "recent"]) == []
+
+
 def test_a_length_too_short_for_a_task_is_refused_before_loading(tiny_dir):
     """--lengths 64 passes the argument check (at least 64 tokens) but leaves passkey's prompt no room: found
     from the tokenizer alone, before the weights load (it used to fail after them)."""

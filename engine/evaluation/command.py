@@ -178,6 +178,31 @@ def check_budget_knobs(ctx: click.Context, plan) -> None:
             raise InputError(f"{flag} has no effect here: {why[k].format(flag=flag)}")
 
 
+def shrunk_notes(plan, given: list[str]) -> list[str]:
+    """--sink or --recent given, and scaled down inside budgets too small for them (--split shrink)."""
+    from tailorkv.engine.evaluation.plan import length_label
+    from tailorkv.engine.settings import KNOB_USERS
+    notes = []
+    for knob in ("sink", "recent"):
+        if knob not in given:
+            continue
+        want = getattr(plan.base, knob)
+        cut = {}
+        for b, m in plan.runs():
+            if b is None or m not in KNOB_USERS[knob]:
+                continue
+            for n in plan.lengths:
+                got = getattr(plan.settings(m, n, b), knob)
+                if got != want:
+                    cut.setdefault(got, []).append(f"{m} @ {b} at {length_label(n)}")
+        if cut:
+            where = "; ".join(f"{knob} {got} for {', '.join(w[:3])}{' ...' if len(w) > 3 else ''}"
+                              for got, w in sorted(cut.items()))
+            notes.append(f"--{knob} {want} does not fit in every budget (--split shrink keeps sink + recent within "
+                         f"half of it): {where}. --split paper gives budget/16 each")
+    return notes
+
+
 def whole_context_notes(plan) -> list[str]:
     """Runs whose budget covers the whole prompt: the method then attends to every token."""
     from tailorkv.engine import ui
@@ -239,7 +264,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
     if prev is not None:  # another run's file: refused before the weights load
         M.check_same_run(prev, S.results(command="", args={}, env={}, model={}, plan=plan, shard=shard_t,
                                          records=[]), done_path)
-    for note in whole_context_notes(plan):
+    for note in whole_context_notes(plan) + shrunk_notes(plan, options_mod.given_knobs(click_ctx)):
         ui.err.print(f"[yellow]{escape(note)}[/]")
     tok = options_mod.peek_tokenizer(model, weights, random_weights)
     if tok is not None:  # the shortest length's samples, before the weights load: one too short fails here
