@@ -122,12 +122,67 @@ def results_dir(out: str | None, model: str, family: dict, root: str, marker: st
     """A command's results folder, as a context: --out as given (checked by the caller), else claimed_dir's
     numbered folder under root, named after the model path as given, else its config's name (or the hub id)."""
     if out is not None:
-        return contextlib.nullcontext(out)
+        return held_dir(out, marker)
     return claimed_dir(model if os.path.exists(model) else family.get("name") or model, root, marker)
 
 
 def _lock(folder: str, marker: str) -> str:
     return os.path.join(folder, f".{marker}.lock")
+
+
+def _take_lock(lock: str) -> bool:
+    """Makes the lock file, exclusively, with this process's id in it; False when it exists already."""
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def _lock_holder(lock: str) -> int | None:
+    """The running process that holds a lock file, or None (it ended, or the file names none)."""
+    try:
+        with open(lock) as f:
+            pid = int(f.read().strip())
+        os.kill(pid, 0)
+    except PermissionError:  # alive, another user's
+        return pid
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+@contextlib.contextmanager
+def held_dir(out: str, marker: str):
+    """--out as given (checked by the caller), made now, before any work, and held for this command by a lock
+    file: a second command writing the same results file there is refused instead of overwriting the first's.
+    A lock whose process has ended is taken over. The lock goes when the command ends, and so does the folder if
+    the command made it and wrote nothing there."""
+    made = not os.path.exists(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"cannot make the results folder {out} ({e.strerror or e}): choose another --out") from None
+    lock = _lock(out, marker)
+    if not _take_lock(lock):
+        holder = _lock_holder(lock)
+        if holder is not None:
+            raise InputError(f"another tailorkv command (process {holder}) is writing {marker} in {out}: wait for "
+                             f"it to end, or choose another --out")
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+        if not _take_lock(lock):
+            raise InputError(f"another tailorkv command took {out} a moment ago: choose another --out")
+    try:
+        yield out
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+        if made:
+            with contextlib.suppress(OSError):  # only an empty folder goes
+                os.rmdir(out)
 
 
 @contextlib.contextmanager
@@ -140,10 +195,9 @@ def claimed_dir(model_name: str, root: str, marker: str):
         made = not os.path.exists(out)
         try:
             os.makedirs(out, exist_ok=True)
-            os.close(os.open(_lock(out, marker), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            break
-        except FileExistsError:  # another command took it a moment ago: the next number
-            continue
+            if _take_lock(_lock(out, marker)):
+                break
+            continue  # another command took it a moment ago: the next number
         except OSError as e:
             raise InputError(f"cannot make the results folder {out} ({e.strerror or e}): run from a folder where "
                              f"you can write, or pass --out DIR") from None

@@ -99,3 +99,25 @@ def test_token_counts_take_ctx_suffixes():
     assert [t.convert(v, None, None) for v in ("1k", "0.5k", "1024", "-4", 64)] == [1024, 512, 1024, -4, 64]
     with pytest.raises(click.ClickException, match="is not a length: write e.g. 1024 or 1k"):
         t.convert("1x", None, None)
+
+
+def test_held_dir_refuses_a_second_command_writing_the_same_file_there(tmp_path):
+    """Two commands given the same --out: the second is refused before any work (it overwrote the first's
+    results); another file in the folder (a second shard) is not held; a lock whose process ended is taken over."""
+    from tailorkv.engine.results import held_dir
+    out = str(tmp_path / "run")
+    with held_dir(out, "bench.json"):
+        assert os.path.isdir(out)  # made before the model loads
+        with pytest.raises(ValueError, match=f"another tailorkv command \\(process {os.getpid()}\\) is writing "
+                                             f"bench.json in {out}: wait for it to end, or choose another --out"):
+            with held_dir(out, "bench.json"):
+                pass
+        with held_dir(out, "eval.shard-1-of-2.json"):
+            pass
+    assert not os.path.exists(out)  # made by it, left empty: gone
+    os.makedirs(out)
+    with open(os.path.join(out, ".bench.json.lock"), "w") as f:
+        f.write("999999999")  # no such process
+    with held_dir(out, "bench.json"):
+        (tmp_path / "run" / "bench.json").write_text("{}")
+    assert os.listdir(out) == ["bench.json"]

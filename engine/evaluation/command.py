@@ -269,7 +269,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
     tok = options_mod.peek_tokenizer(model, weights, random_weights)
     if tok is not None:  # the shortest length's samples, before the weights load: one too short fails here
         prompts.build_suites(tok, plan, lengths=[min(plan.lengths)])
-    with R.results_dir(out, model, family, "eval/results", "eval.json") as out:
+    with R.results_dir(out, model, family, "eval/results", name) as out:  # shards share a folder, not a file
         torch.manual_seed(plan.seed)
         loaded = ui.load_with_progress(model, weights, random_weights, dev, ui.pick_dtype(dtype, dev, cfg))
         D.check_methods(loaded, plan)
