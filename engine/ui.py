@@ -36,6 +36,31 @@ class Interrupted(UserError):
         super().__init__(f"interrupted: {message}")
 
 
+@contextlib.contextmanager
+def interrupt_once():
+    """Long work whose Ctrl-C saves what finished: the first Ctrl-C raises KeyboardInterrupt, and later ones are
+    ignored until the process ends, so that a second press cannot cut the saving short (nor end the process in
+    a traceback of its shutdown). Without an interrupt the handler before is put back."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hit = []
+
+    def first(signum, frame):
+        hit.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        if not hit:
+            signal.signal(signal.SIGINT, before)
+
+
 NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
 
@@ -313,6 +338,11 @@ def prepare_kernels(cfg, dtype, device, quiet: bool = False) -> None:
     if n and took > 1.0 and not quiet:
         err.print(f"[dim]loading CUDA kernels: {n} ready in {took:.1f} s (compiled once per machine, then read "
                   f"from CuPy's cache)[/]")
+
+
+def count(n: int, word: str, many: str | None = None) -> str:
+    """'1 item', '2 items' (many: the plural where it is not word + 's')."""
+    return f"{n} {word if n == 1 else many or word + 's'}"
 
 
 def every_token_note(method: str) -> str:

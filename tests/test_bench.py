@@ -165,7 +165,7 @@ def test_ctrl_c_keeps_the_finished_cells_and_their_plots(tiny, tmp_path, monkeyp
     r = bench_cmd("--model", tiny, "--methods", "full", "--ctx", "128,256", "--out", str(out), *FAST[:8])
     assert r.exit_code == 130 and "Traceback" not in r.output, r.output
     last = r.output.strip().splitlines()[-1]
-    assert last.startswith("error: interrupted: the 1 finished cells of 2 are in ") and "--overwrite" in last
+    assert last.startswith("error: interrupted: the 1 finished cell of 2 is in ") and "--overwrite" in last
     res = load(out / "bench.json")
     assert res["complete"] is False and [c["ctx"] for c in res["cells"]] == [128]
     check_png(out / "decode_ms.png")

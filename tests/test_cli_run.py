@@ -308,6 +308,33 @@ def test_results_that_cannot_be_printed_end_in_one_line(tmp_path, command):
     assert wrote[command].exists()
 
 
+def test_a_second_ctrl_c_cannot_cut_the_saving_short():
+    """interrupt_once: the first SIGINT raises KeyboardInterrupt; one sent while the finished work is saved is
+    ignored (it lost bench's plots and eval's 'items saved' line); without an interrupt the handler comes back."""
+    import os
+    import signal
+    import time
+    from tailorkv.engine.ui import interrupt_once
+    before = signal.getsignal(signal.SIGINT)
+    with interrupt_once():
+        pass
+    assert signal.getsignal(signal.SIGINT) is before
+    saved = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupt_once():
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(5)  # cut short by the KeyboardInterrupt
+                except KeyboardInterrupt:
+                    os.kill(os.getpid(), signal.SIGINT)  # the second press, while saving
+                    saved.append("saved")
+                    raise
+        assert saved == ["saved"] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_only_the_users_input_errors_become_one_line():
     """An InputError (a flag, a file, a limit) is the user's: one line. A plain ValueError from inside the engine
     is a bug, and keeps its traceback rather than passing for the user's mistake."""

@@ -372,7 +372,7 @@ def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
         json.dump(cut, f)
     r = invoke(*args, "--resume")
     assert r.exit_code == 0, r.output
-    assert "1 items done" in r.output
+    assert "1 item done" in r.output
     res = load(path)
     assert res["complete"] is True
     assert S.strip_timing(res["records"]) == S.strip_timing(whole["records"])
@@ -456,7 +456,7 @@ def test_no_chart_of_an_earlier_run_stays_beside_eval_json(tiny_dir, single, tmp
 
     monkeypatch.setattr(D, "run_item", run_item)
     r = invoke(*args, "--overwrite")
-    assert r.exit_code == 130 and "1 items saved" in r.output, r.output
+    assert r.exit_code == 130 and "1 item saved" in r.output, r.output
     charts = {"eval.json", "eval_scores.png", "eval_budgets.png"}
     assert set(os.listdir(out)) == charts
     assert load(os.path.join(out, "eval.json"))["complete"] is False

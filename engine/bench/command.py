@@ -314,39 +314,41 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
     task = bar.add_task("bench", total=total)
     interrupted = False
     # refreshed by hand between phases: a refresh thread would take the GIL inside the timed decode loop
-    with Live(Group(table, bar), console=con, auto_refresh=False) as live:
-        def on_phase(method, ctx, what):
-            bar.update(task, description=f"{method} @ {ctx}: {what}")
-            live.refresh()
+    with ui.interrupt_once():  # a second Ctrl-C cannot cut the saving short
+        with Live(Group(table, bar), console=con, auto_refresh=False) as live:
+            def on_phase(method, ctx, what):
+                bar.update(task, description=f"{method} @ {ctx}: {what}")
+                live.refresh()
 
-        def on_cell(cell):
-            cells.append(cell)
-            table.add_row(*_row(cell, on_gpu))
-            bar.advance(task)
-            save()
-            live.refresh()
-            if not con.is_terminal:  # a log shows the live table only at the end: a line per cell meanwhile
-                ui.err.print(cell_line(cell, len(cells), total), markup=False)
+            def on_cell(cell):
+                cells.append(cell)
+                table.add_row(*_row(cell, on_gpu))
+                bar.advance(task)
+                save()
+                live.refresh()
+                if not con.is_terminal:  # a log shows the live table only at the end: a line per cell meanwhile
+                    ui.err.print(cell_line(cell, len(cells), total), markup=False)
 
-        try:
-            B.run_sweep(loaded, plan, on_cell=on_cell, on_phase=on_phase)
-        except KeyboardInterrupt:
-            interrupted = True
-        bar.update(task, visible=False)
-        if not cells:  # no row to show: not a table of headers alone
-            live.update(Group(), refresh=True)
-        live.refresh()
-    con.print()
-    if interrupted:
-        if cells:  # the plots of the cells saved, not an earlier run's beside them; -o gets them too
-            res = B.results(loaded, plan, cells, env, command, args, hbm_measured, limit)
-            plot_all(res, out)
-            if fmt is not None:
-                click.echo(render(res, fmt))
-        kept = (f"the {len(cells)} finished cells of {total} are in {json_path} (\"complete\": false)" if cells
-                else "no cell had finished, nothing was written")
-        again = " with --overwrite" if cells and given_out else ""
-        raise ui.Interrupted(f"{kept}; run the command again{again} to measure every cell")
+            try:
+                B.run_sweep(loaded, plan, on_cell=on_cell, on_phase=on_phase)
+            except KeyboardInterrupt:
+                interrupted = True
+            bar.update(task, visible=False)
+            if not cells:  # no row to show: not a table of headers alone
+                live.update(Group(), refresh=True)
+            live.refresh()
+        con.print()
+        if interrupted:
+            if cells:  # the plots of the cells saved, not an earlier run's beside them; -o gets them too
+                res = B.results(loaded, plan, cells, env, command, args, hbm_measured, limit)
+                plot_all(res, out)
+                if fmt is not None:
+                    click.echo(render(res, fmt))
+            kept = (f"the {ui.count(len(cells), 'finished cell')} of {total} {'is' if len(cells) == 1 else 'are'} in "
+                    f"{json_path} (\"complete\": false)" if cells
+                    else "no cell had finished, nothing was written")
+            again = " with --overwrite" if cells and given_out else ""
+            raise ui.Interrupted(f"{kept}; run the command again{again} to measure every cell")
     if not cells:
         return
     res = B.results(loaded, plan, cells, env, command, args, hbm_measured, limit)

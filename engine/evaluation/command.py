@@ -289,7 +289,7 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
             records = M.resumable_records(prev, S.results(records=[], **common), json_path, plan)
             done = {r["item"] for r in records}
             items = [it for it in items if it["index"] not in done]
-            con.print(f"resuming {json_path}: {len(done)} items done, {len(items)} to go")
+            con.print(f"resuming {json_path}: {ui.count(len(done), 'item')} done, {len(items)} to go")
         last_save = [0.0]
 
         def save(force: bool = False):  # partial results survive an interrupt; at most every SAVE_EVERY_S seconds
@@ -300,18 +300,20 @@ def run_eval(params: dict, knobs: dict, *, model, weights, random_weights, devic
         texts: dict = {}
         bar = Progress(TextColumn("[cyan]{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TimeElapsedColumn(), TimeRemainingColumn(), console=ui.err, transient=True)
-        try:
-            run_items(items, loaded, plan, suites, texts, records, bar, save, lines=not ui.err.is_terminal)
-        except KeyboardInterrupt:
-            if not records:
-                raise ui.Interrupted("no item had finished, nothing was written") from None
-            if shard_t is None:  # the charts of what finished, not an earlier run's beside them
-                write_outputs(S.results(records=records, **common), out)
-            else:
-                save(force=True)
-            n_items = len({r["item"] for r in records})
-            again = same_command(click_ctx, out=out, resume=True, overwrite=False)
-            raise ui.Interrupted(f"{n_items} items saved in {json_path}; to finish, run: {again}") from None
+        with ui.interrupt_once():  # a second Ctrl-C cannot cut the saving short
+            try:
+                run_items(items, loaded, plan, suites, texts, records, bar, save, lines=not ui.err.is_terminal)
+            except KeyboardInterrupt:
+                if not records:
+                    raise ui.Interrupted("no item had finished, nothing was written") from None
+                if shard_t is None:  # the charts of what finished, not an earlier run's beside them
+                    write_outputs(S.results(records=records, **common), out)
+                else:
+                    save(force=True)
+                n_items = len({r["item"] for r in records})
+                again = same_command(click_ctx, out=out, resume=True, overwrite=False)
+                raise ui.Interrupted(f"{ui.count(n_items, 'item')} saved in {json_path}; to finish, run: "
+                                     f"{again}") from None
         res = S.results(records=records, **common)
         if shard_t is None:
             paths = write_outputs(res, out)
@@ -404,5 +406,6 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
     con = _console()
     show(res, con)
     recs = res["records"] + res["fidelity"]
-    con.print(f"merged {len(files)} shards ({len({r['item'] for r in recs})} items, {len(recs)} records); "
+    con.print(f"merged {ui.count(len(files), 'shard')} ({ui.count(len({r['item'] for r in recs}), 'item')}, "
+              f"{ui.count(len(recs), 'record')}); "
               f"results in {', '.join(paths)}")

@@ -6,7 +6,7 @@ def title_line(res: dict) -> str:
     m, e = res.get("model") or {}, res["eval"]
     env = res.get("env") or {}
     where = env.get("gpu") or env.get("device") or "?"
-    samples = f"{e['samples_per_task']} samples/task"
+    samples = f"{e['samples_per_task']} sample{'' if e['samples_per_task'] == 1 else 's'}/task"
     if res.get("complete") is False:  # a partial merge, or a shard's own file
         samples = f"up to {samples} (partial: {len(res.get('records', []))} records)"
     return (f"{m.get('name', '?')} on {where}; {samples}, seed {e['seed']}, "
