@@ -153,7 +153,7 @@ def test_progress_hook_reaches_every_layer(tiny):
 
 def test_bad_settings_raise():
     from tailorkv.engine.profiling.calibration import validate
-    for kw in ({"tau": 0.0}, {"tau": 1.0}, {"tau": -0.1}, {"top": 0.0}, {"top": 1.5}, {"n_q": 0}):
+    for kw in ({"tau": 0.0}, {"tau": 1.0}, {"tau": -0.1}, {"top": 0.0}, {"top": 1.0}, {"top": 1.5}, {"n_q": 0}):
         args = {"n_q": 32, "top": 0.05, "tau": 0.2, **kw}
         with pytest.raises(ValueError):
             validate(**args)
@@ -206,8 +206,9 @@ def test_cli_writes_json_and_png(cli_main, tiny_dir, tmp_path):
     assert not [n for n in os.listdir(out.parent) if n.endswith(".tmp")]
     assert os.stat(out).st_mode & 0o044 == 0o044 or os.umask(os.umask(0)) & 0o044  # readable by others
 
-    # the recorded command reproduces the profile
+    # the recorded command reproduces the profile (the chart left beside it would need --overwrite)
     os.remove(out)
+    os.remove(png)
     r2 = CliRunner().invoke(cli_main, cmd[1:])
     assert r2.exit_code == 0, r2.output
     assert json.loads(out.read_text())["P"] == prof["P"]
@@ -288,6 +289,143 @@ def test_cli_empty_data_and_bad_tau(cli_main, tiny_dir, tmp_path):
                                           "--out", str(out)])
         assert "--tau" in _one_error_line(r) and "[0.001, 1)" in _one_error_line(r)
     assert sorted(os.listdir(tmp_path)) == ["empty.txt"]
+
+
+def _last_error_line(r):
+    """The error of a run that failed after loading: the lines before it are the load line and warnings."""
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output and r.output.count("error:") == 1, r.output
+    text = r.output[r.output.index("error:"):]
+    return " ".join(line.strip() for line in text.splitlines())
+
+
+def _profile(cli_main, tiny_dir, tmp_path, *args, text=TEXT):
+    """`tailorkv profile` on the tiny model with TEXT as --data (kept outside tmp_path's listing)."""
+    data = tmp_path.parent / f"{tmp_path.name}-calib.txt"
+    data.write_text(text)
+    return CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--data", str(data),
+                                         *args])
+
+
+def test_cli_an_existing_png_beside_a_new_json_needs_overwrite(cli_main, tiny_dir, tmp_path):
+    """The chart goes next to the JSON: an X.png already there is refused like an X.json, before loading."""
+    png = tmp_path / "X.png"
+    png.write_bytes(b"someone else's picture")
+    out = tmp_path / "X.json"
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "300", "--out", str(out))
+    line = _one_error_line(r)
+    assert f"{png} already exists, and this run writes the chart of {out} there: pass --overwrite to replace it, " \
+           f"or choose another --out" in line
+    assert "loading" not in r.output and "calibrating" not in r.output
+    assert sorted(os.listdir(tmp_path)) == ["X.png"] and png.read_bytes() == b"someone else's picture"
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "300", "--out", str(out), "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and json.loads(out.read_text())["P"]
+
+
+def test_cli_out_must_be_a_json_name(cli_main, tiny_dir, tmp_path):
+    for name, use in (("smol.txt", "smol.json"), ("smol", "smol.json"), ("chart.png", "chart.json")):
+        r = _profile(cli_main, tiny_dir, tmp_path, "--length", "300", "--out", str(tmp_path / name))
+        line = _one_error_line(r)
+        assert f"use a name ending in .json, e.g. {tmp_path / use}" in line, line
+        assert "loading" not in r.output
+    assert os.listdir(tmp_path) == []
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "300", "--out", str(tmp_path / "upper.JSON"))
+    assert r.exit_code == 0, r.output
+
+
+def test_cli_out_that_is_not_a_profile_says_so(cli_main, tiny_dir, tmp_path):
+    """A file at --out that no profile run wrote is not "an earlier run's results"."""
+    notes = tmp_path / "notes.json"
+    notes.write_text("my notes, not a profile\n")
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "300", "--out", str(notes))
+    line = _one_error_line(r)
+    assert f"{notes} exists and is not a profile this command wrote: pass --overwrite to replace it, or choose " \
+           f"another --out" in line and "earlier run" not in line
+    afile = tmp_path / "afile"  # no .json: --overwrite would not do, another name does
+    afile.write_text("plain text\n")
+    line = _one_error_line(_profile(cli_main, tiny_dir, tmp_path, "--length", "300", "--out", str(afile)))
+    assert f"--out {afile} exists and is not a profile this command wrote" in line
+    assert f"choose another --out ending in .json, e.g. {afile}.json" in line and "--overwrite" not in line
+    assert sorted(os.listdir(tmp_path)) == ["afile", "notes.json"]
+    assert notes.read_text() == "my notes, not a profile\n" and afile.read_text() == "plain text\n"
+
+
+def test_cli_degenerate_settings_are_refused_or_warned(cli_main, tiny_dir, tmp_path):
+    out = str(tmp_path / "p.json")
+    for args, words in ((["--length", "10"], "--length 10 is too short: calibration needs at least 64 tokens"),
+                        (["--length", "-5"], "--length -5 is too short"),
+                        (["--top", "1"], "--top 1 keeps every key, so P would be 0 in every layer"),
+                        (["--top", "0"], "--top 0 keeps no key"),
+                        (["--n-q", "0"], "--n-q 0 gives no query rows: use at least 1, e.g. --n-q 32")):
+        r = _profile(cli_main, tiny_dir, tmp_path, *args, "--out", out)
+        line = _one_error_line(r)
+        assert words in line, line
+        assert "loading" not in r.output
+    # known only once the text is tokenized
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "300", "--top", "0.999", "--out", out)
+    assert "--top 0.999 of 300 calibration tokens keeps every key (300)" in _last_error_line(r)
+    r = _profile(cli_main, tiny_dir, tmp_path, "--out", out, text="a few words only, not enough")
+    assert "the calibration text gives only 28 tokens, fewer than the 64 calibration needs" in _last_error_line(r)
+    assert os.listdir(tmp_path) == []
+    # cut values run, with a warning naming the value used
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "300", "--n-q", "5000", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "--n-q 5000 is more than the 300 calibration tokens: using all 300 of their queries" in r.output
+    assert json.loads(open(out).read())["rows"] == 300
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "300", "--top", "0.001", "--out", out, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert "--top 0.001 of 300 calibration tokens is less than one key: keeping 1 key per query row" in r.output
+    assert json.loads(open(out).read())["top_k"] == 1
+
+
+def test_cli_length_takes_token_counts_like_other_commands(cli_main, tiny_dir, tmp_path):
+    out = tmp_path / "p.json"
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "0.5k", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    prof = json.loads(out.read_text())
+    assert prof["calibration"]["tokens"] == 512 and "--length 512" in prof["command"]
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "4k", "--out", str(tmp_path / "q.json"))
+    assert "--length 4096 is beyond what" in _one_error_line(r)  # the tiny model's context is 1024
+    r = _profile(cli_main, tiny_dir, tmp_path, "--length", "4x", "--out", str(tmp_path / "q.json"))
+    assert "--length '4x' is not a length: write e.g. 1024 or 1k" in _one_error_line(r)
+
+
+def test_cli_data_from_a_device_or_a_pipe(cli_main, tiny_dir, tmp_path):
+    """/dev/null is an empty calibration file, not a missing one; a named pipe is read like a file."""
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--data", "/dev/null",
+                                      "--out", str(out)])
+    line = _one_error_line(r)
+    assert "the calibration file --data /dev/null is empty: give a few thousand tokens of text" in line
+    assert "no such file" not in line and "loading" not in r.output
+    assert os.listdir(tmp_path) == []
+    if not hasattr(os, "mkfifo"):
+        return
+    import threading
+    fifo = tmp_path.parent / f"{tmp_path.name}-fifo"
+    os.mkfifo(fifo)
+
+    def feed():
+        with open(fifo, "w") as f:
+            f.write(TEXT)
+    threading.Thread(target=feed, daemon=True).start()
+    r = CliRunner().invoke(cli_main, ["profile", "--model", tiny_dir, "--device", "cpu", "--data", str(fifo),
+                                      "--length", "300", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    import hashlib
+    assert json.loads(out.read_text())["calibration"]["sha256"] == hashlib.sha256(TEXT.encode()).hexdigest()
+
+
+def test_cli_tau_out_of_range_names_the_range_and_an_example(cli_main, tiny_dir, tmp_path):
+    out = str(tmp_path / "p.json")
+    for tau, why in (("1", "P is at most 1, so no layer would be quantization-friendly"),
+                     ("-1", "P is at least 0, so every layer would be quantization-friendly"),
+                     ("0", "P is at least 0, so every layer would be quantization-friendly"),
+                     ("nan", "it is not a number")):
+        line = _one_error_line(_profile(cli_main, tiny_dir, tmp_path, "--tau", tau, "--out", out))
+        assert f"--tau {tau} is outside [0.001, 1): {why}: give a tau in [0.001, 1), e.g. --tau 0.2" in line, line
+    assert os.listdir(tmp_path) == []
 
 
 def test_failed_write_leaves_no_file(tmp_path):

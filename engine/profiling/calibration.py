@@ -143,13 +143,29 @@ TAU_FLOOR = 1e-3  # fp32 sums of a row's kept mass leave P ~1e-7 on a layer that
 
 
 def validate(n_q: int, top: float, tau: float) -> None:
+    """The settings' ranges, each refusal one line naming the range and an example."""
+    allowed = f"give a tau in [{TAU_FLOOR:g}, 1), e.g. --tau {DEFAULT_TAU:g}"
     if not TAU_FLOOR <= tau < 1.0:
-        raise InputError(f"--tau must lie in [{TAU_FLOOR:g}, 1), got {tau:g}: a P below {TAU_FLOOR:g} is within the "
-                         f"rounding of the attention sums (a layer whose top keys hold all of its attention would pass it); e.g. --tau {DEFAULT_TAU:g}")
-    if not 0.0 < top <= 1.0:
-        raise InputError(f"--top must be a fraction of the keys in (0, 1], got {top}")
+        if tau >= 1.0:
+            why = "P is at most 1, so no layer would be quantization-friendly"
+        elif tau <= 0.0:
+            why = "P is at least 0, so every layer would be quantization-friendly"
+        elif tau > 0.0:
+            why = (f"a P below {TAU_FLOOR:g} is within the rounding of the attention sums (a layer whose top keys hold "
+                   f"all of its attention would pass it)")
+        else:
+            why = "it is not a number"
+        raise InputError(f"--tau {tau:g} is outside [{TAU_FLOOR:g}, 1): {why}: {allowed}")
+    example = f"e.g. --top {DEFAULT_TOP:g} (the top {DEFAULT_TOP:.0%} of the keys)"
+    if top >= 1.0:
+        raise InputError(f"--top {top:g} keeps every key, so P would be 0 in every layer (--top is the fraction of "
+                         f"the keys kept per query row, in (0, 1)): give a fraction below 1, {example}")
+    if not top > 0.0:
+        why = "is not a number" if math.isnan(top) else "keeps no key"
+        raise InputError(f"--top {top:g} {why} (--top is the fraction of the keys kept per query row, in (0, 1)): "
+                         f"give a fraction above 0, {example}")
     if n_q < 1:
-        raise InputError(f"--n-q must be at least 1, got {n_q}")
+        raise InputError(f"--n-q {n_q} gives no query rows: use at least 1, e.g. --n-q {DEFAULT_N_Q}")
 
 
 def profile_model(loaded, text_ids, n_q: int = DEFAULT_N_Q, top: float = DEFAULT_TOP, tau: float = DEFAULT_TAU,

@@ -15,7 +15,10 @@ from tailorkv.engine.errors import InputError
 from tailorkv.engine.profiling.calibration import DEFAULT_N_Q, DEFAULT_TAU, DEFAULT_TOP
 
 DEFAULT_LENGTH = 4096
+MIN_LENGTH = 64  # fewer calibration tokens are refused: a row's top 5% is 1-3 keys (eval's --lengths floor too)
 SHORT_WARNING = 1024  # below this many calibration tokens P gets noisy
+STREAM_CAP = 256 * 1024 * 1024  # what --data reads from a device or a pipe (/dev/zero never ends)
+PROFILE_CAP = 16 * 1024 * 1024  # an existing --out larger than this is no profile of ours
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 METHOD_NOTE = ("last n_q queries, per head softmax(q K^T / sqrt(D)) with the causal mask over all prompt keys "
                "(fp32); keep k = max(1, ceil(top * T)) keys per row, T = prompt tokens; "
@@ -31,16 +34,17 @@ def register(main) -> None:
                   help="calibration text file (UTF-8; - reads stdin)  [default: the built-in text]")
     @click.option("--tau", type=float, default=DEFAULT_TAU, show_default=True,
                   help="P above tau = quantization-friendly layer (0.001 <= tau < 1)")
-    @click.option("--length", type=int, default=None,
-                  help=f"calibration tokens  [default: {DEFAULT_LENGTH}, capped by the model's context]")
+    @click.option("--length", type=ui.Tokens(), default=None,
+                  help=f"calibration tokens, e.g. 4096 or 4k (at least {MIN_LENGTH})  "
+                       f"[default: {DEFAULT_LENGTH}, capped by the model's context]")
     @click.option("--n-q", "n_q", type=int, default=DEFAULT_N_Q, show_default=True,
-                  help="last queries of the prompt used")
+                  help="last queries of the prompt used (at most the calibration tokens)")
     @click.option("--top", type=float, default=DEFAULT_TOP, show_default=True,
-                  help="fraction of the keys kept per query row")
+                  help="fraction of the keys kept per query row (0 < top < 1)")
     @click.option("--out", default=None,
                   help="profile JSON, the PNG goes next to it  [default: a named model's configs/profiles/<model>.json, "
                        "which its runs load; a model given by path: ./<name>.profile.json, for --layer-profile]")
-    @click.option("--overwrite", is_flag=True, help="replace a profile already at that path")
+    @click.option("--overwrite", is_flag=True, help="replace the files already at that path (the JSON and its PNG)")
     @ui.friendly
     def profile(model, weights, random_weights, device, dtype, threads, data, tau, length, n_q, top, out, overwrite):
         """Calibrate the layer types (TailorKV offline identification) and write the model's profile."""
@@ -54,11 +58,30 @@ def read_data(data: str | None) -> tuple[str, bytes, str]:
         from tailorkv.engine.profiling.text import SOURCE, TEXT
         return TEXT, TEXT.encode("utf-8"), SOURCE
     from tailorkv.engine.ui import read_text_bytes
-    text, raw = read_text_bytes(data, "--data")
+    if data != "-" and os.path.exists(data) and not os.path.isdir(data) and not os.path.isfile(data):
+        text, raw = read_stream(data)  # /dev/null, /dev/stdin, a pipe such as <(cat a.txt b.txt)
+    else:
+        text, raw = read_text_bytes(data, "--data")
     if not text.strip():
-        raise InputError(f"--data {data} is empty: give a few thousand tokens of text (leave --data out for the "
-                         f"built-in text)")
+        what = "the calibration text on stdin (--data -)" if data == "-" else f"the calibration file --data {data}"
+        raise InputError(f"{what} is empty{'' if not raw else ' (only blank space)'}: give a few thousand tokens of "
+                         f"text (or leave --data out for the built-in text)")
     return text, raw, "stdin" if data == "-" else data
+
+
+def read_stream(path: str) -> tuple[str, bytes]:
+    """(text, raw bytes) of --data that exists but is no regular file (a device, a named or an anonymous pipe)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(STREAM_CAP + 1)
+    except OSError as e:
+        raise InputError(f"--data {path} cannot be read ({e.strerror or e}): give a text file") from None
+    if len(raw) > STREAM_CAP:
+        raise InputError(f"--data {path} gave more than {STREAM_CAP >> 20} MiB without ending: give a text file")
+    try:
+        return raw.decode("utf-8-sig"), raw
+    except UnicodeDecodeError:
+        raise InputError(f"--data {path} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from None
 
 
 def default_out(model: str, family: dict, random: bool) -> str:
@@ -80,6 +103,53 @@ def default_out(model: str, family: dict, random: bool) -> str:
 
 def png_path(json_path: str) -> str:
     return os.path.splitext(json_path)[0] + ".png"
+
+
+def is_profile(path: str) -> bool:
+    """Whether the file at path is a profile this command wrote (JSON with P per layer and the layer types)."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > PROFILE_CAP:
+            return False
+        with open(path, "rb") as f:
+            prof = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(prof, dict) and isinstance(prof.get("P"), list) and isinstance(prof.get("layer_types"), list)
+
+
+def check_out_name(out: str) -> None:
+    """--out names the JSON profile: a name that does not end in .json is refused, with the .json name to use."""
+    if out.lower().endswith(".json"):
+        return
+    folder, base = os.path.split(out)
+    stem = os.path.splitext(base)[0] or base or "profile"
+    example = f"e.g. {os.path.join(folder, stem + '.json')}"
+    use = f"use a name ending in .json, {example}"
+    if out.lower().endswith(".png"):
+        raise InputError(f"--out {out} names a chart, but --out names the JSON profile (its PNG chart goes next to "
+                         f"it): {use}")
+    if os.path.exists(out) and not is_profile(out):
+        raise InputError(f"--out {out} exists and is not a profile this command wrote (a profile is JSON, named "
+                         f"*.json): choose another --out ending in .json, {example}")
+    raise InputError(f"--out {out} does not end in .json, and the profile is JSON (its PNG chart goes next to it): "
+                     f"{use}")
+
+
+def refuse_existing_files(out_path: str, overwrite: bool) -> None:
+    """The profile and its chart replace files already there only with --overwrite; the message says what the
+    file there is (an earlier profile, something else, the chart beside the JSON)."""
+    from tailorkv.engine.results import refuse_existing
+    if overwrite:
+        return
+    if os.path.exists(out_path):
+        if is_profile(out_path):
+            refuse_existing(out_path, overwrite)
+        raise InputError(f"{out_path} exists and is not a profile this command wrote: pass --overwrite to replace "
+                         f"it, or choose another --out")
+    img = png_path(out_path)
+    if os.path.exists(img):
+        raise InputError(f"{img} already exists, and this run writes the chart of {out_path} there: pass "
+                         f"--overwrite to replace it, or choose another --out")
 
 
 def reproduce_command(model, weights, random_weights, device: str, dtype: str, data, tau, length, n_q, top,
@@ -112,17 +182,16 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
 
     from tailorkv import __version__
     from tailorkv.engine import options, ui
-    from tailorkv.engine.results import check_free, check_out, git_commit, refuse_existing, \
-        write_files_atomically
+    from tailorkv.engine.results import check_free, check_out, git_commit, write_files_atomically
 
     err = ui.err
     validate(n_q, top, tau)
-    if length is not None and length < 2:
-        raise InputError(f"--length must be at least 2 tokens, got {length}")
+    if length is not None and length < MIN_LENGTH:
+        raise InputError(f"--length {length} is too short: calibration needs at least {MIN_LENGTH} tokens (P is "
+                         f"steady from a few thousand): use e.g. --length {DEFAULT_LENGTH // 1024}k")
     if out is not None:
-        if out.lower().endswith(".png"):
-            raise InputError("--out names the JSON profile (the PNG goes next to it): use a .json name")
         check_out(out, kind="file")
+        check_out_name(out)
     text, raw, source = read_data(data)
 
     dev = ui.pick_device(device)
@@ -133,24 +202,39 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     if length is not None and length > limit_ctx:
         raise InputError(f"--length {length} is beyond what {model} supports ({limit_ctx} tokens): "
                          f"lower --length")
+    want = length if length is not None else min(DEFAULT_LENGTH, limit_ctx)
+    if want < MIN_LENGTH:
+        raise InputError(f"{model} supports {limit_ctx} tokens, fewer than the {MIN_LENGTH} calibration needs: "
+                         f"profile a model with a longer context")
     out_path = out or default_out(model, family, random_weights)
     check_free([out_path, png_path(out_path)])
-    refuse_existing(out_path, overwrite)
+    refuse_existing_files(out_path, overwrite)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
     from tailorkv.models.loader import require_tokenizer
     tok = require_tokenizer(loaded)
-    want = length if length is not None else min(DEFAULT_LENGTH, limit_ctx)
     bos = [tok.bos_id] if getattr(tok, "add_bos", False) and tok.bos_id is not None else []
     all_ids = bos + tok.encode(text)
     ids = all_ids[:want]
-    if len(ids) < 2:
-        raise InputError(f"the calibration text gives only {len(ids)} token(s): give --data more text")
+    if len(ids) < MIN_LENGTH:
+        raise InputError(f"the calibration text gives only {len(ids)} token{'s' if len(ids) != 1 else ''}, fewer "
+                         f"than the {MIN_LENGTH} calibration needs: give --data more text (a few thousand tokens)")
     if len(all_ids) < want:
         err.print(f"[yellow]the calibration text has {len(all_ids)} tokens, fewer than --length {want}: "
                   f"using all of them[/]")
     if len(ids) < SHORT_WARNING:
         err.print(f"[yellow]{len(ids)} calibration tokens: P from a short prompt is noisy "
                   f"(use a few thousand tokens)[/]")
+    if n_q > len(ids):
+        err.print(f"[yellow]--n-q {n_q} is more than the {len(ids)} calibration tokens: using all {len(ids)} "
+                  f"of their queries[/]")
+    from tailorkv.engine.profiling.calibration import top_k_count
+    keep = top_k_count(len(ids), top)
+    if keep >= len(ids):
+        raise InputError(f"--top {top:g} of {len(ids)} calibration tokens keeps every key ({keep}), so P would be 0 "
+                         f"in every layer: lower --top, e.g. --top {DEFAULT_TOP:g}")
+    if top * len(ids) < 1:
+        err.print(f"[yellow]--top {top:g} of {len(ids)} calibration tokens is less than one key: keeping 1 key "
+                  f"per query row[/]")
 
     t0 = time.perf_counter()
     with Progress(TextColumn("[cyan]calibrating {task.description}"), BarColumn(),
