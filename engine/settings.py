@@ -108,6 +108,8 @@ class MethodSettings:
         for flag, n in (("--sink", self.sink), ("--recent", self.recent)):
             if n < 0:
                 raise InputError(f"{flag} must be at least 0 tokens, got {n}: e.g. {flag} 64")
+        if self.budget < 1:
+            raise InputError(f"--budget must be a count of tokens above 0, got {self.budget}: e.g. --budget 1024")
         if self.method == "tailorkv" and self.budget < self.sink + self.recent:
             raise InputError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}: "
                              f"raise --budget or lower --sink / --recent")

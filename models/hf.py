@@ -18,6 +18,9 @@ SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM"}
 def read_config(folder: str) -> ModelConfig:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
+        if os.path.basename(os.path.normpath(folder)) == "config.json" and os.path.isfile(folder):
+            raise LoadError(f"{folder} is the config file itself: give the folder that holds it, "
+                            f"{os.path.dirname(folder) or '.'}")
         raise LoadError(f"{folder} has no config.json: point --weights at a Hugging Face model folder "
                         f"(config.json, *.safetensors, tokenizer.json)")
     try:

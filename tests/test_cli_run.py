@@ -40,6 +40,17 @@ def test_folder_without_config(tmp_path):
     assert_clean_error(call("run", "-m", str(tmp_path), "-p", "hi"), "no config.json")
 
 
+def test_the_config_file_given_for_its_folder(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert_clean_error(call("run", "-m", str(tmp_path / "config.json"), "-p", "hi"),
+                       "config.json is the config file itself: give the folder that holds it, " + str(tmp_path))
+
+
+def test_a_budget_below_one_token():
+    assert_clean_error(call("run", "--method", "tailorkv", "--budget", "-5", "-p", "hi"),
+                       "--budget must be a count of tokens above 0, got -5: e.g. --budget 1024")
+
+
 def test_config_name_without_weights():
     assert_clean_error(call("run", "-m", "llama-3.1-8b", "-p", "hi"), "--weights", "--random-weights")
 
@@ -138,8 +149,10 @@ def test_interactive_chat_commands():
     (["-t", "99999999999"], ["--threads 99999999999 is more than 4x", "use at most"]),
     (["--stop", ""], ["--stop is empty"]),
     (["--random-weights", "--weights", "/tmp"], ["--random-weights and --weights", "use one of them"]),
-    (["--method", "streamingllm", "--budget", "0"], ["--budget 0 must exceed --sink 64", "raise --budget"]),
-    (["--method", "snapkv", "--budget", "-1"], ["observation window (32 tokens)", "raise --budget"]),
+    (["--method", "streamingllm", "--budget", "0"], ["--budget must be a count of tokens above 0, got 0"]),
+    (["--method", "streamingllm", "--budget", "40"], ["--budget 40 must exceed --sink 64", "raise --budget"]),
+    (["--method", "snapkv", "--budget", "-1"], ["--budget must be a count of tokens above 0, got -1"]),
+    (["--method", "snapkv", "--budget", "20"], ["observation window (32 tokens)", "raise --budget"]),
     (["--method", "quest", "--budget", "1"], ["at least one quest page (16 tokens)", "raise --budget"]),
     (["--method", "tailorkv", "--budget", "100"], ["--budget 100 is smaller", "raise --budget"]),
     (["--method", "tailorkv", "--predict-ahead", "100"], ["--predict-ahead 100", "use at most 29"]),

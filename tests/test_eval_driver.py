@@ -540,6 +540,7 @@ def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     (["--samples", "-1"], "--samples must be 0 or more, got -1: e.g. --samples 20"),
     (["--fidelity-tokens", "-1"], "--fidelity-tokens must be 0 (off) or more, got -1"),
     (["--samples", "0", "--fidelity-tokens", "0"], "nothing to do: --samples 0 and no --fidelity-tokens: give one"),
+    (["--fidelity-tokens", "600"], "--fidelity-tokens 600 must be smaller than the length 512: lower"),
     (["--max-new-tokens", "100000"], "--max-new-tokens 100000 leaves no room for the prompt in the length 512"),
     (["--max-new-tokens", "500"], "--lengths 512 leaves no room for passkey: its 500 new tokens take nearly all"),
 ])

@@ -374,7 +374,8 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
 
     if not os.path.isdir(folder):
         raise ui.UserError(f"{folder} is a file: give the folder the shards wrote to" if os.path.exists(folder)
-                           else f"{folder}: no such folder")
+                           else f"{folder}: no such folder: give the --out folder that `tailorkv eval --shard i/n` "
+                                f"wrote to")
     dest = check_out(out if out is not None else folder)
     target = os.path.join(dest, "eval.json")
     if os.path.exists(target) and not overwrite:  # an earlier merge is replaced; a whole run's results are not

@@ -154,7 +154,8 @@ class EvalPlan:
                                  f"{n} (a length holds prompt and answer): lower --max-new-tokens, e.g. 64, or "
                                  f"raise --lengths")
             if self.fidelity_tokens and self.fidelity_tokens >= n:
-                raise InputError(f"--fidelity-tokens {self.fidelity_tokens} must be smaller than the length {n}")
+                raise InputError(f"--fidelity-tokens {self.fidelity_tokens} must be smaller than the length {n}: "
+                                 f"lower --fidelity-tokens, e.g. 64, or raise --lengths")
         for n in self.lengths:
             for b, m in self.runs():
                 try:
