@@ -176,6 +176,20 @@ def check_budget_knobs(ctx: click.Context, plan) -> None:
         if why.get(k):
             flag = "--" + k
             raise InputError(f"{flag} has no effect here: {why[k].format(flag=flag)}")
+    from click.core import ParameterSource
+    from tailorkv.engine.evaluation.budgets import EXACT_METHODS
+    given = [k for k in ("budgets", "budget_frac", "split")
+             if ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
+    budgeted = [m for m in plan.methods if m not in EXACT_METHODS]
+    for k in given:
+        flag = "--" + k.replace("_", "-")
+        if k != "split" and not budgeted:
+            raise InputError(f"{flag} has no effect under {', '.join(plan.methods)}: they keep every token; add a "
+                             f"method with a budget (tailorkv, streamingllm, snapkv, quest) or drop {flag}")
+        if k == "split" and not kinds & {"frac", "tokens"}:
+            raise InputError("--split has no effect here: it places sink and recent inside the shares or token counts "
+                             "of --budgets or --budget-frac (192 and 1024 bring the paper's own); drop --split or "
+                             "give --budgets")
 
 
 def shrunk_notes(plan, given: list[str]) -> list[str]:
