@@ -339,6 +339,7 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
     cut = load(os.path.join(out, "eval.json"))
     assert cut["complete"] is False and any(w.startswith("partial merge") for w in cut["warnings"])
     assert len(cut["records"]) < len(merged["records"]) and "partial merge" in r.output
+    assert r.output.count("records have no result") == 1  # once, with the tables (it came on stderr too)
     n_cut = sum(c["n"] for c in cut["summary"]["budgets"][next(iter(cut["summary"]["budgets"]))]["overall"].values())
     n_all = sum(c["n"] for c in merged["summary"]["budgets"][next(iter(merged["summary"]["budgets"]))]["overall"].values())
     assert n_cut < n_all

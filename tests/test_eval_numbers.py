@@ -438,3 +438,25 @@ def test_a_shard_whose_plan_is_malformed_is_named():
     with pytest.raises(ValueError, match=re.escape(f"{FILE.format(0, 2)} is not an eval results file (its 'eval' "
                                                    "entry is malformed: KeyError('lengths')): rerun that shard")):
         merge_shards([(FILE.format(0, 2), s0), (FILE.format(1, 2), s1)])
+
+
+def test_the_title_names_budgets_and_tailorkvs_settings_only_where_they_ran():
+    from tailorkv.engine.evaluation.labels import budget_line
+    e = merge_plan().to_dict()
+    assert budget_line(dict(e, methods=["full"])) == "no budgets (every method keeps every token)"
+    assert budget_line(dict(e, methods=["full", "streamingllm"])).startswith("budgets 64 (split shrink)")
+    assert "channels" not in budget_line(dict(e, methods=["full", "streamingllm"]))
+    assert budget_line(dict(e, methods=["tailorkv"])).endswith("-bit quant layers, r = 12 channels")
+
+
+def test_a_tables_title_stays_on_one_line():
+    from rich.console import Console
+    from tailorkv.engine.evaluation.report import score_tables
+    res = shard(0, 2)
+    res["eval"]["methods"] = ["full"]  # a narrow table: narrower than its titles
+    con = Console(width=200, record=True)
+    for t in score_tables(res):
+        con.print(t)
+    text = con.export_text()
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert "budget 64, length 512: score 0-100" in lines and "budget 64: average score over tasks (dNLL)" in lines, text

@@ -416,7 +416,8 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
         shards.append((os.path.basename(f), res))
     res, warnings = M.merge_shards(shards, partial)
     for w in warnings:
-        ui.err.print(f"[yellow]{escape(w)}[/]")
+        if w not in res["warnings"]:  # those show() prints with the tables
+            ui.err.print(f"[yellow]{escape(w)}[/]")
     paths = write_outputs(res, dest)
     con = _console()
     show(res, con)

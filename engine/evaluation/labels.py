@@ -8,15 +8,22 @@ def title_line(res: dict) -> str:
     where = env.get("gpu") or env.get("device") or "?"
     samples = f"{e['samples_per_task']} sample{'' if e['samples_per_task'] == 1 else 's'}/task"
     if res.get("complete") is False:  # a partial merge, or a shard's own file
-        samples = f"up to {samples} (partial: {len(res.get('records', []))} records)"
+        n = len(res.get("records", []))
+        samples = f"up to {samples} (partial: {n} record{'' if n == 1 else 's'})"
     return (f"{m.get('name', '?')} on {where}; {samples}, seed {e['seed']}, "
             f"question {e['question']}, protocol {e['protocol']}, {budget_line(e)}")
 
 
 def budget_line(e: dict) -> str:
-    b = e["base_settings"]
-    groups = ", ".join(g["label"] for g in e["budgets"])
-    return f"budgets {groups} (split {e['split']}), {b['bits']}-bit quant layers, r = {b['channels']} channels"
+    """The budget groups (where a method with a budget ran) and tailorkv's bits and r (where it ran)."""
+    from tailorkv.engine.evaluation.budgets import EXACT_METHODS
+    b, methods = e["base_settings"], e.get("methods") or []
+    parts = []
+    if any(m not in EXACT_METHODS for m in methods):
+        parts.append(f"budgets {', '.join(g['label'] for g in e['budgets'])} (split {e['split']})")
+    if "tailorkv" in methods:
+        parts.append(f"{b['bits']}-bit quant layers, r = {b['channels']} channels")
+    return ", ".join(parts) or "no budgets (every method keeps every token)"
 
 
 def split_text(s: dict) -> str:

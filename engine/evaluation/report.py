@@ -13,6 +13,7 @@ import os
 
 from rich.table import Table
 
+from tailorkv.engine.evaluation.budgets import EXACT_METHODS
 from tailorkv.engine.evaluation.labels import split_text
 from tailorkv.engine.evaluation.plan import length_label
 
@@ -41,8 +42,10 @@ def score_tables(res: dict) -> list[Table]:
         for n in e["lengths"]:
             cells = summ[label]["per_length"][str(n)]
             s = next(iter(res["settings"][label][str(n)].values()))
-            t = Table(title=f"budget {label}, length {length_label(n)}: score 0-100", title_justify="left",
-                      header_style="bold", caption=f"budget {split_text(s)}", caption_justify="left")
+            title = f"budget {label}, length {length_label(n)}: score 0-100"
+            budgeted = any(m not in EXACT_METHODS for m in methods)
+            t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title),
+                      caption=f"budget {split_text(s)}" if budgeted else None, caption_justify="left")
             t.add_column("task")
             for m in methods:
                 t.add_column(m, justify="right")
@@ -61,7 +64,8 @@ def score_tables(res: dict) -> list[Table]:
                     t.add_row(f"[dim]{name}[/]", *[_fmt(cells[m][key], 2, True) for m in methods])
             failed = [f"{m}: {cells[m]['failed']}" for m in methods if cells[m]["failed"]]
             if failed:
-                t.caption += f"\n[red]failed samples (not scored): {', '.join(failed)}[/]"
+                t.caption = (f"{t.caption}\n" if t.caption else "") + \
+                    f"[red]failed samples (not scored): {', '.join(failed)}[/]"
             out.append(t)
         out.append(_over_lengths(res, label))
     if len(e["budgets"]) > 1:
@@ -72,7 +76,8 @@ def score_tables(res: dict) -> list[Table]:
 def _over_lengths(res: dict, label: str) -> Table:
     e, summ = res["eval"], res["summary"]["budgets"][label]
     methods = e["methods"]
-    t = Table(title=f"budget {label}: average score over tasks (dNLL)", title_justify="left", header_style="bold")
+    title = f"budget {label}: average score over tasks (dNLL)"
+    t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title))
     t.add_column("length")
     for m in methods:
         t.add_column(m, justify="right")
@@ -92,8 +97,8 @@ def _over_lengths(res: dict, label: str) -> Table:
 def _budget_summary(res: dict) -> Table:
     e, summ = res["eval"], res["summary"]["budgets"]
     methods = [m for m in e["methods"]]
-    t = Table(title="every budget: average over lengths and tasks, score (paired diff ± SE) / dNLL ± SE",
-              title_justify="left", header_style="bold")
+    title = "every budget: average over lengths and tasks, score (paired diff ± SE) / dNLL ± SE"
+    t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title))
     t.add_column("budget")
     for m in methods:
         t.add_column(m, justify="right")
@@ -113,8 +118,8 @@ def fidelity_table(res: dict) -> Table | None:
     recs = res.get("fidelity") or []
     if not recs:
         return None
-    t = Table(title=f"fidelity vs full: {res['eval']['fidelity_tokens']} teacher-forced tokens of essay text "
-                    f"after the prefix", title_justify="left", header_style="bold")
+    title = f"fidelity vs full: {res['eval']['fidelity_tokens']} teacher-forced tokens of essay text after the prefix"
+    t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title))
     for name in ("length", "budget", "method", "top-1 %", "KL mean", "KL p99", "KL max", "NLL full", "NLL method",
                  "attn recall"):
         t.add_column(name, justify="left" if name in ("length", "budget", "method") else "right")
