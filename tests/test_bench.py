@@ -290,8 +290,11 @@ def test_cpu_run_output_formats_and_defaults(tiny, tmp_path):
     r = bench_cmd(*args, "--out", str(tmp_path / "csv"), "--output", "csv")
     assert r.exit_code == 0, r.output
     rows = list(csv.DictReader(r.stdout.splitlines()))
-    assert [(x["method"], x["ctx"], x["prompt"]) for x in rows] == [("full", "2k", "2030"), ("streamingllm", "2k", "2030")]
-    assert "floor ms" not in rows[0] and "PCIe/tok" not in rows[0] and "peak dev" not in rows[0] and rows[0]["KV"]
+    assert [(x["method"], x["ctx"], x["prompt"]) for x in rows] == [("full", "2048", "2030"),
+                                                                     ("streamingllm", "2048", "2030")]
+    assert "floor_ms" not in rows[0] and "pcie_bytes_per_token" not in rows[0] and "peak_device_bytes" not in rows[0]
+    assert int(rows[0]["kv_device_bytes"]) > 0 and float(rows[0]["ms_per_token"]) > 0  # numbers, no units
+    assert rows[0]["status"] == "ok" and rows[0]["error"] == "" and rows[0]["kv_host_bytes"] == "0"
     assert "streamingllm: --budget 4096 covers the whole context at 2k" in r.output
     assert "[1/2] full @ 2k (2030 prompt tokens): prefill " in r.output  # a log gets a line per cell
     assert "4300" not in r.output and "floor" not in r.output.split("covers")[-1]

@@ -52,6 +52,27 @@ def values(cell: dict, on_gpu: bool) -> dict[str, str]:
     return row
 
 
+CSV_COLUMNS = ("method", "ctx", "prompt", "batch", "status", "prefill_s", "ms_per_token", "p90_ms", "tok_s", "gbps",
+               "peak_device_bytes", "kv_device_bytes", "kv_host_bytes", "pcie_bytes_per_token", "floor_ms",
+               "floor_fraction", "error")
+CSV_CPU_COLUMNS = tuple(c for c in CSV_COLUMNS if c not in ("peak_device_bytes", "pcie_bytes_per_token", "floor_ms",
+                                                             "floor_fraction"))
+
+
+def csv_values(cell: dict) -> dict:
+    """One cell for --output csv: numbers without units (tokens, seconds, ms, bytes), empty where not measured."""
+    row = {"method": cell["method"], "ctx": cell["ctx"], "prompt": cell["prompt_tokens"], "batch": cell.get("batch", 1),
+           "status": cell["status"], "error": cell.get("error") or ""}
+    if cell["status"] == "ok":
+        floor = cell.get("floor") or {}
+        row.update(prefill_s=cell["prefill_s"], ms_per_token=cell["decode_ms"]["median"],
+                   p90_ms=cell["decode_ms"]["p90"], tok_s=cell["tok_s"], gbps=cell["achieved_gbps"],
+                   peak_device_bytes=cell.get("peak_device_bytes"), kv_device_bytes=cell["kv_device_bytes"],
+                   kv_host_bytes=cell["kv_host_bytes"], pcie_bytes_per_token=cell.get("pcie_bytes_per_token"),
+                   floor_ms=floor.get("floor_ms"), floor_fraction=floor.get("fraction"))
+    return {k: "" if v is None else v for k, v in row.items()}
+
+
 def _table(title: str, on_gpu: bool):
     from rich.table import Table
     t = Table(title=title, title_justify="left", header_style="bold")
@@ -83,9 +104,10 @@ def render(res: dict, fmt: str) -> str:
     rows = [values(c, on_gpu) for c in res["cells"]]
     if fmt == "csv":
         buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
-        w.writerow(cols)
-        w.writerows([[r.get(c, "") for c in cols] for r in rows])
+        w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS if on_gpu else CSV_CPU_COLUMNS, lineterminator="\n",
+                           extrasaction="ignore")
+        w.writeheader()
+        w.writerows(csv_values(c) for c in res["cells"])
         return buf.getvalue().rstrip("\n")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(r.get(c, "").replace("|", "/") for c in cols) + " |" for r in rows]
