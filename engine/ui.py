@@ -310,11 +310,11 @@ def load_with_progress(model: str, weights, random_weights: bool, device, dtype,
     t0 = time.perf_counter()
     if not err.is_terminal and not quiet:
         err.print(f"loading {model} ...", soft_wrap=True, markup=False)
-    with Progress(TextColumn("[cyan]loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+    with Progress(TextColumn("[cyan]loading {task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
                   TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal) as bar:
-        task = bar.add_task(model, total=None)
+        task = bar.add_task(model, total=None, count="")  # no "0/None" before the loader knows its tensors
         loaded = load_model(model, weights, random_weights, device, dtype,
-                            progress=lambda i, n: bar.update(task, completed=i, total=n))
+                            progress=lambda i, n: bar.update(task, completed=i, total=n, count=f"{i}/{n}"))
     if not quiet:
         err.print(f"[dim]{load_line(loaded, time.perf_counter() - t0)}[/]", soft_wrap=True)
     if loaded.random:

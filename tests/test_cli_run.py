@@ -497,3 +497,25 @@ def test_a_profile_of_another_model_with_as_many_layers_warns(tmp_path):
     assert "was written for my-30-layer-model, this run uses smollm2-135m" in line and "tailorkv profile" in line
     res = call(*args, shipped)
     assert res.exit_code == 0 and "was written for" not in res.stderr, res.output
+
+
+def test_the_load_bar_shows_no_count_before_the_loader_knows_one(monkeypatch):
+    import time
+    from types import SimpleNamespace
+    from rich.console import Console
+    from tailorkv.engine import ui
+    from tailorkv.models import loader
+    con = Console(record=True, force_terminal=True, width=100)
+
+    def load_model(model, weights, random_weights, device, dtype, progress):
+        time.sleep(0.35)  # a refresh of the bar (10 per second) before the first count
+        progress(1, 4)
+        time.sleep(0.35)
+        return SimpleNamespace(random=False)
+
+    monkeypatch.setattr(ui, "err", con)
+    monkeypatch.setattr(ui, "load_line", lambda loaded, took: "loaded")
+    monkeypatch.setattr(loader, "load_model", load_model)
+    ui.load_with_progress("m", None, False, "cpu", None)
+    text = con.export_text()
+    assert "None" not in text and "1/4" in text, text
