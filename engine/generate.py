@@ -53,6 +53,7 @@ class Engine:
         self.sampling = sampling or SamplingParams()
         self.sampler = Sampler(self.sampling, self.device)
         self.tokens: list[int] = []
+        self.rewind_emptied = False  # the last rewind could not cut the cache and emptied it
         self.eos_ids = set(loaded.cfg.eos_ids) | set(getattr(self.tokenizer, "eos_ids", []) or [])
 
     @property
@@ -62,6 +63,7 @@ class Engine:
     def reset(self) -> None:
         self.cache.reset()
         self.tokens = []
+        self.rewind_emptied = False
 
     def check_fits(self, n_new: int) -> None:
         need, model_max = len(self.tokens) + n_new, self.loaded.cfg.max_context
@@ -107,6 +109,7 @@ class Engine:
             self.cache.truncate(length)
         except RuntimeError:
             self.reset()
+            self.rewind_emptied = True
             return
         del self.tokens[length:]
 

@@ -20,7 +20,11 @@ def kv_line(engine) -> str:
     """What the KV cache holds against what it reserved: a preallocated cache is mostly empty early on."""
     c, used, cap = engine.cache, len(engine.tokens), engine.max_len
     dev, host = c.device_bytes(), c.host_bytes()
-    text = f"KV {used}/{cap} tokens; device {fmt_bytes(dev)} reserved"
+    text = f"KV {used}/{cap} tokens"
+    if not used and getattr(engine, "rewind_emptied", False):
+        text += (f" (emptied: the stop string ended inside tokens that the {c.method} cache cannot drop; the next "
+                 f"turn prefills the conversation again)")
+    text += f"; device {fmt_bytes(dev)} reserved"
     if c.method in ON_DEVICE_ALL and cap:
         text += f", {fmt_bytes(dev * used / cap)} held"
     if host:

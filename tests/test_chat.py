@@ -147,6 +147,8 @@ def test_a_turn_after_a_stop_string_prefills_only_its_own_tokens(smol, method, s
     answer, stats = chat.send("What is the capital of France?", max_new_tokens=24, stop=(stop,))
     assert stats.stop == "stop string" and stop not in answer
     assert eng.cache.length == len(eng.tokens)
+    from tailorkv.engine.repl import kv_line
+    assert ("(emptied: the stop string ended inside tokens" in kv_line(eng)) == reprefill  # not a bare "KV 0/..."
     first = len(eng.tokens)
     _, stats = chat.send("And of Germany?", max_new_tokens=4)
     assert (stats.prompt_tokens > first) == reprefill
