@@ -216,12 +216,12 @@ def pick_device(device: str):
     import torch
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("CUDA was requested but no GPU is visible: use --device cpu")
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise UserError(f"--device '{device}' is not a device: use auto, cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("CUDA was requested but no GPU is visible: use --device cpu")
     if dev.type not in ("cpu", "cuda"):
         raise UserError(f"--device '{device}': tailorkv runs on a CPU or an NVIDIA GPU: use auto, cpu or cuda[:N]")
     if dev.type == "cuda" and dev.index is not None and dev.index >= (n := torch.cuda.device_count()):

@@ -185,6 +185,7 @@ def test_interactive_chat_commands():
     (["--gpu-mem-limit", "0"], ["--gpu-mem-limit '0' is not a size"]),
     (["--gpu-mem-limit", "nan"], ["--gpu-mem-limit 'nan' is not a size"]),
     (["--device", "xyz"], ["--device 'xyz' is not a device", "cpu or cuda"]),
+    (["--device", "cuda:x"], ["--device 'cuda:x' is not a device", "cpu or cuda"]),
     (["--method", "quest", "--budget", "1x"], ["--budget '1x' is not a length", "1024 or 1k"]),
     (["--method", "quest", "--budget", "0.001k"], ["--budget 1 must be at least one quest page"]),
     (["--method", "streamingllm", "--sink", "-4"], ["--sink must be at least 0 tokens, got -4", "e.g. --sink 64"]),
