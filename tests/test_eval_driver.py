@@ -536,7 +536,8 @@ def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     (["--methods", "tailorkv", "--budgets", "1024,192", "--channels", "8"],
      "--channels has no effect here: the paper's budget groups (192, 1024) bring their own sink, recent and r"),
     (["--methods", "streamingllm", "--budgets", "1024", "--sink", "8"], "drop --sink or add another budget"),
-    (["--methods", "quest", "--budgets", "8"], "quest at length 512 budget 8"),
+    (["--methods", "quest", "--budgets", "8"], "quest at length 512 budget 8: its 8 tokens must be at least one "
+                                               "quest page (16 tokens): raise that budget in --budgets"),
     (["--methods", "full,streamingllm", "--channels", "4"], "--channels has no effect under full, streamingllm"),
     (["--samples", "-1"], "--samples must be 0 or more, got -1: e.g. --samples 20"),
     (["--fidelity-tokens", "-1"], "--fidelity-tokens must be 0 (off) or more, got -1"),
