@@ -157,8 +157,7 @@ class SparseOffloadCache(LayerCache):
 
     def whole_middle(self, q) -> torch.Tensor:
         """A middle of at most top-K tokens taken whole: positions sink .. sink + n - 1, n its bucket capped at
-        K (those past the middle are masked by the caller) [B, Hkv, n]. Not K wide: a budget far past the context
-        would make every step read that many rows."""
+        K (not K: a budget far past the context would read that many rows), those past it masked [B, Hkv, n]."""
         k = self.whole_width
         pos = torch.arange(self.sink, self.sink + k, device=q.device).clamp_max(self.spec.max_len - 1)
         return pos.expand(q.shape[0], self.spec.n_kv_heads, k)
@@ -188,8 +187,9 @@ class SparseOffloadCache(LayerCache):
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
         self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
                      "middle_tokens": mid, "tokens_attended": on_device + fetched}
-        return ("whole", self.whole_width) if self.middle_whole else ("none" if mid <= 0 else "select",
-                                                                      self.middle_bucket)
+        if self.middle_whole:
+            return "whole", self.whole_width
+        return ("none" if mid <= 0 else "select"), self.middle_bucket
 
     def most_middle(self) -> int:
         """The largest middle bucket: the whole middle, or the sketch's whole groups covering it."""
