@@ -187,9 +187,8 @@ class SparseOffloadCache(LayerCache):
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
         self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
                      "middle_tokens": mid, "tokens_attended": on_device + fetched}
-        if self.middle_whole:
-            return "whole", self.whole_width
-        return ("none" if mid <= 0 else "select"), self.middle_bucket
+        kind = "whole" if self.middle_whole else "none" if mid <= 0 else "select"
+        return kind, self.whole_width or self.middle_bucket
 
     def most_middle(self) -> int:
         """The largest middle bucket: the whole middle, or the sketch's whole groups covering it."""
