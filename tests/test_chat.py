@@ -138,7 +138,7 @@ def test_stop_strings_are_neither_shown_nor_kept():
     ("full", ".", False),           # the stop string lies in the answer's last token, which is not fed
     ("full", "capital of", False),  # over two tokens: the one fed past the kept text is cut from the cache
     ("tailorkv", ".", False),
-    ("tailorkv", "capital of", True),  # 1/2-bit layers cannot cut a token: the next turn rebuilds the cache
+    ("tailorkv", "capital of", False),  # the 1/2-bit layers cut the token still exact in their residual
 ])
 def test_a_turn_after_a_stop_string_prefills_only_its_own_tokens(smol, method, stop, reprefill):
     kw = dict(budget=256, sink=16, recent=32, quant_layers=[0]) if method == "tailorkv" else {}
@@ -147,12 +147,26 @@ def test_a_turn_after_a_stop_string_prefills_only_its_own_tokens(smol, method, s
     answer, stats = chat.send("What is the capital of France?", max_new_tokens=24, stop=(stop,))
     assert stats.stop == "stop string" and stop not in answer
     assert eng.cache.length == len(eng.tokens)
-    from tailorkv.engine.repl import kv_line
-    assert ("(emptied: the stop string ended inside tokens" in kv_line(eng)) == reprefill  # not a bare "KV 0/..."
     first = len(eng.tokens)
     _, stats = chat.send("And of Germany?", max_new_tokens=4)
     assert (stats.prompt_tokens > first) == reprefill
     assert smol.tokenizer.decode(eng.tokens).startswith(chat.render(chat.messages[:-1]))
+
+
+def test_a_cache_emptied_by_a_stop_string_says_so(smol):
+    """A cut the 1/2-bit layers cannot make (a token they already quantized) empties the cache: the stats line
+    says why and what follows, not a bare 'KV 0/...'."""
+    from tailorkv.engine.repl import kv_line
+    chat = new_chat(smol, "tailorkv", budget=256, sink=16, recent=32, quant_layers=[0])
+    eng = chat.engine
+    eng.forward(list(range(100, 400)))  # past the 128-token key residual: the first 256 keys quantized
+    eng.rewind(200)
+    assert eng.tokens == [] and eng.rewind_emptied
+    assert "KV 0/" in kv_line(eng) and "(emptied: the stop string ended inside tokens that the tailorkv cache " \
+        "cannot drop; the next turn prefills the conversation again)" in kv_line(eng)
+    eng.forward([100, 101])
+    eng.reset()
+    assert "emptied" not in kv_line(eng)
 
 
 def test_context_full_fixes_fit_the_case(smol):

@@ -251,6 +251,33 @@ def test_cache_reset_truncate_and_limits(gen):
     run_steps(cache, Kt, Vt, Qt, [129, 1], bits=1)
 
 
+@pytest.mark.parametrize("prompt,steps,back,ok", [
+    (200, 5, 1, True),     # one token past the window: its value is still in the ring's extra slot
+    (200, 5, 2, False),    # two: the older one's exact value is gone
+    (10, 3, 2, True),      # nothing quantized yet: every value is in the ring
+    (127, 1, 1, False),    # the last step quantized the residual keys (nkq = 128): the key is gone
+])
+def test_cache_truncates_back_by_what_is_still_exact(gen, prompt, steps, back, ok):
+    """A chat's stop string over two tokens cuts one: the cache goes back and the steps after it see exactly
+    what a cache that never held the cut token sees, across the next key flush and window moves."""
+    hq, hkv, D, n = 6, 2, 64, prompt + steps + R + 4
+    Qt, Kt, Vt = tokens(gen, hq, hkv, D, n)
+    cache = make_cache(hq, hkv, D, 1, max_len=512)
+    run_steps(cache, Kt, Vt, Qt, [prompt] + [1] * steps, bits=1)
+    at = prompt + steps - back
+    if not ok:
+        with pytest.raises(RuntimeError, match="cannot be truncated there"):
+            cache.truncate(at)
+        return
+    _, K2, V2 = tokens(gen, hq, hkv, D, n)   # other tokens from the cut on, as the next turn brings
+    Kt, Vt = torch.cat([Kt[:, :, :at], K2[:, :, at:]], 2), torch.cat([Vt[:, :, :at], V2[:, :, at:]], 2)
+    for pos in range(at, n):
+        out = cache.attend(Qt[:, :, pos:pos + 1], Kt[:, :, pos:pos + 1], Vt[:, :, pos:pos + 1], pos)
+        K, V = expected_kv(Kt, Vt, pos, pos + 1, 1)
+        assert rel_err(out, ref_attention(Qt[:, :, pos:pos + 1], K, V, pos)) < 1e-5, pos
+    assert cache.nkq == n // R * R and cache.nvq == n - R
+
+
 @pytest.mark.parametrize("bits,ratio", [(1, 0.11), (2, 0.17)])
 def test_device_bytes_below_full(bits, ratio):
     spec = dict(hq=32, hkv=8, D=128, bits=bits, max_len=32768)

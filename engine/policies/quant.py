@@ -17,7 +17,7 @@
   ones after (so running the step twice gives the same state).
 
 After storing L tokens: keys [0, nkq) quantized, [nkq, L) exact; values [0, max(0, L-R)) quantized, the rest
-exact. Buffers are preallocated; `truncate` only supports a no-op or 0.
+exact. Buffers are preallocated; `truncate` goes to 0 or back by what is still exact (see there).
 """
 from __future__ import annotations
 
@@ -87,11 +87,15 @@ class QuantCache(LayerCache):
         return max(0, self.held - self.R)
 
     def truncate(self, length: int) -> None:
+        """To 0, or back while every token kept is exact where it must be: keys not below nkq, and the window's
+        values still in the ring, which holds one token past the window (a chat's stop string cut one token)."""
         if length == 0:
             self.reset()
         elif length != self.held:
-            raise RuntimeError("the quant cache cannot be truncated (quantized tokens cannot be un-stored); "
-                               "start a new chat (/reset)")
+            if not (self.nkq <= length < self.held and max(0, length - self.R) >= max(0, self.held - self.R - 1)):
+                raise RuntimeError("the quant cache cannot be truncated there (quantized tokens cannot be "
+                                   "un-stored); start a new chat (/reset)")
+            self.held = length
 
     # --- views of what is held -------------------------------------------------------------------------
     def _ring_slots(self, lo: int, hi: int) -> torch.Tensor:
