@@ -36,7 +36,10 @@ def write_files_atomically(files: list[tuple[str, Callable[[str], None]]]) -> No
             mask = os.umask(0)
             os.umask(mask)
             os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600 files; give the usual permissions
-            writer(tmp)
+            try:
+                writer(tmp)
+            except OSError as e:  # a write's own error names no file (a full disk): name the one it was for
+                raise e if e.filename is not None else OSError(e.errno, e.strerror, path) from None
         for tmp, path in temps:
             os.replace(tmp, path)
     finally:

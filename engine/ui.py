@@ -119,8 +119,10 @@ def friendly(fn):
             if e.errno not in FULL_DISK:
                 raise
             where = e.filename if e.filename is not None else "stdout"
-            raise UserError(f"the output cannot be written to {where} ({e.strerror}): free space there, or send "
-                            f"it elsewhere") from None
+            fix = ("a file-size limit (ulimit -f) stops it: raise the limit" if e.errno == errno.EFBIG
+                   else "free space there")
+            raise UserError(f"the output cannot be written to {where} ({e.strerror}): {fix}, or send it "
+                            f"elsewhere") from None
     return wrapper
 
 

@@ -290,6 +290,8 @@ def test_a_full_disk_inside_a_command_is_one_line(tmp_path):
         raising(OSError(errno.ENOSPC, "No space left on device"))()
     with pytest.raises(UserError, match="cannot be written to /x/eval.json"):
         raising(OSError(errno.EDQUOT, "Disk quota exceeded", "/x/eval.json"))()
+    with pytest.raises(UserError, match=r"to /x/p.png \(File too large\): a file-size limit \(ulimit -f\) stops it"):
+        raising(OSError(errno.EFBIG, "File too large", "/x/p.png"))()
     with pytest.raises(PermissionError):  # not a full disk: not explained as one
         raising(PermissionError(errno.EACCES, "Permission denied", "/x"))()
 

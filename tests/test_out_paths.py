@@ -121,3 +121,19 @@ def test_held_dir_refuses_a_second_command_writing_the_same_file_there(tmp_path)
     with held_dir(out, "bench.json"):
         (tmp_path / "run" / "bench.json").write_text("{}")
     assert os.listdir(out) == ["bench.json"]
+
+
+def test_a_write_that_fails_for_space_names_its_file(tmp_path):
+    """A full disk fails a Python write without a file name: the atomic writer names the file it was writing (the
+    commands then say where, not 'stdout'), and leaves no temp file."""
+    import errno
+    from tailorkv.engine.results import write_files_atomically
+
+    def full(tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    target = str(tmp_path / "r.json")
+    with pytest.raises(OSError) as info:
+        write_files_atomically([(target, full)])
+    assert info.value.errno == errno.ENOSPC and info.value.filename == target
+    assert os.listdir(tmp_path) == []
