@@ -134,55 +134,55 @@ def _lock(folder: str, marker: str) -> str:
 
 
 def _take_lock(lock: str) -> bool:
-    """Makes the lock file, exclusively, with this process's id in it; False when it exists already."""
+    """Makes the lock file, exclusively; False when it exists already (claimed_dir's numbered folders)."""
     try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
     return True
 
 
-def _lock_holder(lock: str) -> int | None:
-    """The running process that holds a lock file, or None (it ended, or the file names none)."""
-    try:
-        with open(lock) as f:
-            pid = int(f.read().strip())
-        os.kill(pid, 0)
-    except PermissionError:  # alive, another user's
-        return pid
-    except (OSError, ValueError):
-        return None
-    return pid
+def _hold_lock(lock: str) -> int | None:
+    """An exclusive flock on the lock file (made if missing): its descriptor, or None while another process
+    holds it. The kernel lets go when a process ends, so a file left by a killed command is taken over."""
+    import fcntl
+    while True:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:  # its holder removed it as it ended: lock the file there now
+            same = False
+        if same:
+            return fd
+        os.close(fd)
 
 
 @contextlib.contextmanager
 def held_dir(out: str, marker: str):
     """--out as given (checked by the caller), made now, before any work, and held for this command by a lock
     file: a second command writing the same results file there is refused instead of overwriting the first's.
-    A lock whose process has ended is taken over. The lock goes when the command ends, and so does the folder if
-    the command made it and wrote nothing there."""
+    The lock goes when the command ends, and so does the folder if the command made it and wrote nothing there."""
     made = not os.path.exists(out)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise InputError(f"cannot make the results folder {out} ({e.strerror or e}): choose another --out") from None
     lock = _lock(out, marker)
-    if not _take_lock(lock):
-        holder = _lock_holder(lock)
-        if holder is not None:
-            raise InputError(f"another tailorkv command (process {holder}) is writing {marker} in {out}: wait for "
-                             f"it to end, or choose another --out")
-        with contextlib.suppress(OSError):
-            os.unlink(lock)
-        if not _take_lock(lock):
-            raise InputError(f"another tailorkv command took {out} a moment ago: choose another --out")
+    fd = _hold_lock(lock)
+    if fd is None:
+        raise InputError(f"another tailorkv command is writing {marker} in {out} (it holds {lock}): wait for it to "
+                         f"end, or choose another --out")
     try:
         yield out
     finally:
         with contextlib.suppress(OSError):
             os.unlink(lock)
+        os.close(fd)
         if made:
             with contextlib.suppress(OSError):  # only an empty folder goes
                 os.rmdir(out)
