@@ -90,11 +90,11 @@ KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "layer_
          "predict_ahead", "predict_weights", "select_rule", "channel_rule", "own_query_below")
 
 
-def given_knobs(ctx: click.Context) -> list[str]:
-    """The method knobs the user set (on the command line or through the environment)."""
+def given_knobs(ctx: click.Context, names=KNOBS) -> list[str]:
+    """The method knobs (or other options of `names`) the user set (on the command line or through the environment)."""
     from click.core import ParameterSource
     given = []
-    for k in KNOBS:
+    for k in names:
         src = ctx.get_parameter_source(k)
         if src in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             given.append(k)

@@ -57,7 +57,7 @@ def interrupt_once():
     try:
         yield
     finally:
-        if not hit:
+        if not hit and before is not None:  # None: a handler set outside Python, which cannot be put back
             signal.signal(signal.SIGINT, before)
 
 
@@ -197,17 +197,26 @@ def read_text_file(path: str, what: str) -> str:
     return read_text_bytes(path, what)[0]
 
 
+STREAM_CAP = 256 * 1024 * 1024  # what a device or a pipe may give (/dev/zero never ends)
+
+
 def read_text_bytes(path: str, what: str) -> tuple[str, bytes]:
-    """(text, raw bytes) of a UTF-8 file named by the flag `what`; "-" reads stdin."""
+    """(text, raw bytes) of a UTF-8 file named by the flag `what`: a regular file, a device or a pipe (/dev/null,
+    <(cat a b)); "-" reads stdin."""
     if path == "-":
         data = sys.stdin.buffer.read()
     elif os.path.isdir(path):
         raise UserError(f"{what} {path} is a folder: give a text file")
-    elif not os.path.isfile(path):
+    elif not os.path.exists(path):
         raise UserError(f"{what} {path}: no such file: check the path ({what} - reads stdin)")
     else:
-        with open(path, "rb") as f:
-            data = f.read()
+        try:
+            with open(path, "rb") as f:
+                data = f.read(STREAM_CAP + 1)
+        except OSError as e:
+            raise UserError(f"{what} {path} cannot be read ({e.strerror or e}): give a text file") from None
+        if len(data) > STREAM_CAP:
+            raise UserError(f"{what} {path} is over {STREAM_CAP >> 20} MiB: give a shorter text file")
     try:
         return data.decode("utf-8-sig"), data  # a byte order mark (Windows editors write one) is not text
     except UnicodeDecodeError:

@@ -251,7 +251,7 @@ def test_oom_cell_is_reported_and_the_sweep_goes_on(tiny, tmp_path, monkeypatch)
     r = bench_cmd("--model", tiny, "--ctx", "128", "--methods", "streamingllm,snapkv", *FAST[:6], "--budget", "48",
                   "--sink", "8", "--out", str(tmp_path / "failed"))
     assert r.exit_code == 1, r.output  # a sweep of failures is not a measurement: a script must see it
-    assert "error: no cell ran: all 2 failed (the lines above name each cause)" in r.output
+    assert "error: every cell failed (2 cells: ERROR, OOM; details in " in r.output and "see each cause above" in r.output
     assert load(tmp_path / "failed" / "bench.json")["cells"][0]["status"] == "oom"
 
 

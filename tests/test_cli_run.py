@@ -1,6 +1,7 @@
 """`tailorkv run` as a user calls it: a one-shot answer from the default model, the chat's commands, and every
 error a user can cause ending in one clear line (cause and fix), a non-zero exit and no traceback."""
 import json
+import os
 
 import pytest
 import torch
@@ -229,6 +230,14 @@ def test_prompt_file_errors(tmp_path):
     bom.write_bytes(b"\xef\xbb\xbfHello")
     from tailorkv.engine.ui import read_text_bytes
     assert read_text_bytes(str(bom), "--file") == ("Hello", b"\xef\xbb\xbfHello")
+    if os.path.exists("/dev/null"):  # a device is read like a file (it said "no such file")
+        assert_clean_error(call("run", "-f", "/dev/null"), "--file /dev/null is empty")
+    fifo = tmp_path / "fifo"
+    if hasattr(os, "mkfifo"):  # a pipe, as <(cat a b) gives
+        os.mkfifo(fifo)
+        import threading
+        threading.Thread(target=lambda: fifo.write_text("Hi there"), daemon=True).start()
+        assert read_text_bytes(str(fifo), "--file") == ("Hi there", b"Hi there")
 
 
 def test_weights_of_another_model_are_refused(tmp_path):

@@ -339,7 +339,7 @@ def test_shards_merge_into_the_single_run(tiny_dir, single, tmp_path):
     cut = load(os.path.join(out, "eval.json"))
     assert cut["complete"] is False and any(w.startswith("partial merge") for w in cut["warnings"])
     assert len(cut["records"]) < len(merged["records"]) and "partial merge" in r.output
-    assert r.output.count("records have no result") == 1  # once, with the tables (it came on stderr too)
+    assert r.output.count("records without a result") == 1  # once, with the tables (it came on stderr too)
     n_cut = sum(c["n"] for c in cut["summary"]["budgets"][next(iter(cut["summary"]["budgets"]))]["overall"].values())
     n_all = sum(c["n"] for c in merged["summary"]["budgets"][next(iter(merged["summary"]["budgets"]))]["overall"].values())
     assert n_cut < n_all
@@ -542,7 +542,7 @@ def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     (["--samples", "-1"], "--samples must be 0 or more, got -1: e.g. --samples 20"),
     (["--fidelity-tokens", "-1"], "--fidelity-tokens must be 0 (off) or more, got -1"),
     (["--samples", "0", "--fidelity-tokens", "0"], "nothing to do: --samples 0 and no --fidelity-tokens: give one"),
-    (["--budgets", "3%"], "--budgets has no effect under full: they keep every token"),
+    (["--budgets", "3%"], "--budgets has no effect under full: it keeps every token"),
     (["--methods", "full,tailorkv", "--split", "paper"], "--split has no effect here: it places sink and recent"),
     (["--methods", "tailorkv", "--budgets", "1024", "--split", "paper"], "--split has no effect here"),
     (["--fidelity-tokens", "600"], "--fidelity-tokens 600 must be smaller than the length 512: lower"),
@@ -590,6 +590,8 @@ def test_a_given_sink_scaled_down_by_small_budgets_is_named():
         "tailorkv @ 3% at 512. --split paper gives budget/16 each"]
     assert shrunk_notes(plan, []) == []  # the default sink, scaled as the convention says: no note
     plan.budgets = parse_budgets("50%")
+    assert shrunk_notes(plan, ["sink", "recent"]) == []
+    plan.budgets = parse_budgets("1024,50%")  # the paper's 1024 brings its own sink 64: not a scaling to name
     assert shrunk_notes(plan, ["sink", "recent"]) == []
 
 

@@ -342,10 +342,10 @@ def test_missing_shards_and_records_need_partial():
     assert [r["index"] for r in merged["records"] + merged["fidelity"]] == [0, 1, 4]
     # shard 1 stopped before item 1's sl record (index 3)
     cut = shard(1, 2, records=[r for r in all_records() if r["item"] % 2 == 1 and r["index"] != 3])
-    with pytest.raises(ValueError, match=re.escape("1 records have no result (first: item 1)")):
+    with pytest.raises(ValueError, match=re.escape("1 record without a result (first: item 1)")):
         merge_shards([(FILE.format(0, 2), shard(0, 2)), (FILE.format(1, 2), cut)])
     merged, warnings = merge_shards([(FILE.format(0, 2), shard(0, 2)), (FILE.format(1, 2), cut)], partial=True)
-    assert merged["complete"] is False and warnings[0].startswith("partial merge: 1 of 6 records have no result")
+    assert merged["complete"] is False and warnings[0].startswith("partial merge: 1 of 6 records without a result")
 
 
 def test_nothing_or_a_non_shard_first_is_refused():
@@ -459,4 +459,9 @@ def test_a_tables_title_stays_on_one_line():
         con.print(t)
     text = con.export_text()
     lines = [line.rstrip() for line in text.splitlines()]
-    assert "budget 64, length 512: score 0-100" in lines and "budget 64: average score over tasks (dNLL)" in lines, text
+    assert "length 512: score 0-100" in lines and "average score over tasks (dNLL)" in lines, text  # no budget: full
+    res["eval"]["methods"] = ["full", "streamingllm"]
+    con = Console(width=200, record=True)
+    for t in score_tables(res):
+        con.print(t)
+    assert "budget 64, length 512: score 0-100" in [line.rstrip() for line in con.export_text().splitlines()]

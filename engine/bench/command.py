@@ -392,5 +392,7 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
     if fmt is not None:
         click.echo(render(res, fmt))
     if not ok:  # a script must not take a sweep of failures for a measurement
-        raise ui.UserError(f"no cell ran: all {len(cells)} failed (the lines above name each cause); their errors "
-                           f"are in {json_path}")
+        kinds = sorted({c["status"].upper() for c in cells})
+        fix = "lower --ctx or --batch" if kinds == ["OOM"] else "see each cause above"
+        raise ui.UserError(f"every cell failed ({ui.count(len(cells), 'cell')}: {', '.join(kinds)}; details in "
+                           f"{json_path}): {fix}")

@@ -176,16 +176,15 @@ def check_budget_knobs(ctx: click.Context, plan) -> None:
         if why.get(k):
             flag = "--" + k
             raise InputError(f"{flag} has no effect here: {why[k].format(flag=flag)}")
-    from click.core import ParameterSource
     from tailorkv.engine.evaluation.budgets import EXACT_METHODS
-    given = [k for k in ("budgets", "budget_frac", "split")
-             if ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
+    from tailorkv.engine.settings import KNOB_USERS
     budgeted = [m for m in plan.methods if m not in EXACT_METHODS]
-    for k in given:
+    for k in given_knobs(ctx, ("budgets", "budget_frac", "split")):
         flag = "--" + k.replace("_", "-")
-        if k != "split" and not budgeted:
-            raise InputError(f"{flag} has no effect under {', '.join(plan.methods)}: they keep every token; add a "
-                             f"method with a budget (tailorkv, streamingllm, snapkv, quest) or drop {flag}")
+        if not budgeted:
+            they = "it keeps" if len(plan.methods) == 1 else "they keep"
+            raise InputError(f"{flag} has no effect under {', '.join(plan.methods)}: {they} every token; add a "
+                             f"method with a budget ({', '.join(KNOB_USERS['budget'])}) or drop {flag}")
         if k == "split" and not kinds & {"frac", "tokens"}:
             raise InputError("--split has no effect here: it places sink and recent inside the shares or token counts "
                              "of --budgets or --budget-frac (192 and 1024 bring the paper's own); drop --split or "
@@ -203,7 +202,7 @@ def shrunk_notes(plan, given: list[str]) -> list[str]:
         want = getattr(plan.base, knob)
         cut = {}
         for b, m in plan.runs():
-            if b is None or m not in KNOB_USERS[knob]:
+            if b is None or m not in KNOB_USERS[knob] or plan.budget(b).kind == "paper":  # those bring their own
                 continue
             for n in plan.lengths:
                 got = getattr(plan.settings(m, n, b), knob)

@@ -1,15 +1,16 @@
 """One-line descriptions of an eval run that the tables (report.py) and the charts (plots.py) share."""
 from __future__ import annotations
 
+from tailorkv.engine.ui import count
+
 
 def title_line(res: dict) -> str:
     m, e = res.get("model") or {}, res["eval"]
     env = res.get("env") or {}
     where = env.get("gpu") or env.get("device") or "?"
-    samples = f"{e['samples_per_task']} sample{'' if e['samples_per_task'] == 1 else 's'}/task"
+    samples = f"{count(e['samples_per_task'], 'sample')}/task"
     if res.get("complete") is False:  # a partial merge, or a shard's own file
-        n = len(res.get("records", []))
-        samples = f"up to {samples} (partial: {n} record{'' if n == 1 else 's'})"
+        samples = f"up to {samples} (partial: {count(len(res.get('records', [])), 'record')})"
     return (f"{m.get('name', '?')} on {where}; {samples}, seed {e['seed']}, "
             f"question {e['question']}, protocol {e['protocol']}, {budget_line(e)}")
 

@@ -5,6 +5,7 @@ import json
 import shlex
 
 from tailorkv.engine.errors import InputError
+from tailorkv.engine import ui
 from tailorkv.engine.evaluation.plan import EvalPlan
 from tailorkv.engine.evaluation.summary import results
 
@@ -54,11 +55,11 @@ def merge_shards(shards: list[tuple[str, dict]], partial: bool = False) -> tuple
     keys = plan.record_keys()
     left = sorted(set(range(len(keys))) - set(seen))
     if left and not partial:
-        raise InputError(f"{len(left)} records have no result (first: item {keys[left[0]][0]}): a shard did not "
-                         f"finish; rerun it with --resume, or merge what finished with --partial")
+        raise InputError(f"{ui.count(len(left), 'record')} without a result (first: item {keys[left[0]][0]}): a shard "
+                         f"did not finish; rerun it with --resume, or merge what finished with --partial")
     if left:
         items = sorted({keys[i][0] for i in left})
-        warnings.append(f"partial merge: {len(left)} of {len(keys)} records have no result (items "
+        warnings.append(f"partial merge: {len(left)} of {ui.count(len(keys), 'record')} without a result (items "
                         f"{', '.join(map(str, items[:10]))}{' ...' if len(items) > 10 else ''}); the tables "
                         f"average the samples that finished")
     commits = {res["env"].get("git_commit") for _, res in shards}

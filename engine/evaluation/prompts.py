@@ -55,7 +55,7 @@ def build_suites(tokenizer, plan, lengths: Iterable[int] | None = None) -> dict[
             room = n - plan.max_new(task)
             if room < 16:
                 raise InputError(f"--lengths {n} leaves no room for {task}: its {plan.max_new(task)} new tokens "
-                                 f"take nearly all of it; use a longer length or fewer --max-new-tokens")
+                                 f"take nearly all of it: use a longer length or fewer --max-new-tokens")
             try:
                 probe = make_suite(tokenizer, room, 1, plan.seed, tasks=[task])[0]
             except InputError as e:

@@ -42,8 +42,8 @@ def score_tables(res: dict) -> list[Table]:
         for n in e["lengths"]:
             cells = summ[label]["per_length"][str(n)]
             s = next(iter(res["settings"][label][str(n)].values()))
-            title = f"budget {label}, length {length_label(n)}: score 0-100"
             budgeted = any(m not in EXACT_METHODS for m in methods)
+            title = f"{f'budget {label}, ' if budgeted else ''}length {length_label(n)}: score 0-100"
             t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title),
                       caption=f"budget {split_text(s)}" if budgeted else None, caption_justify="left")
             t.add_column("task")
@@ -76,7 +76,8 @@ def score_tables(res: dict) -> list[Table]:
 def _over_lengths(res: dict, label: str) -> Table:
     e, summ = res["eval"], res["summary"]["budgets"][label]
     methods = e["methods"]
-    title = f"budget {label}: average score over tasks (dNLL)"
+    budgeted = any(m not in EXACT_METHODS for m in res["eval"]["methods"])
+    title = f"{f'budget {label}: ' if budgeted else ''}average score over tasks (dNLL)"
     t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title))
     t.add_column("length")
     for m in methods:

@@ -17,7 +17,6 @@ from tailorkv.engine.profiling.calibration import DEFAULT_N_Q, DEFAULT_TAU, DEFA
 DEFAULT_LENGTH = 4096
 MIN_LENGTH = 64  # fewer calibration tokens are refused: a row's top 5% is 1-3 keys (eval's --lengths floor too)
 SHORT_WARNING = 1024  # below this many calibration tokens P gets noisy
-STREAM_CAP = 256 * 1024 * 1024  # what --data reads from a device or a pipe (/dev/zero never ends)
 PROFILE_CAP = 16 * 1024 * 1024  # an existing --out larger than this is no profile of ours
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 METHOD_NOTE = ("last n_q queries, per head softmax(q K^T / sqrt(D)) with the causal mask over all prompt keys "
@@ -58,30 +57,12 @@ def read_data(data: str | None) -> tuple[str, bytes, str]:
         from tailorkv.engine.profiling.text import SOURCE, TEXT
         return TEXT, TEXT.encode("utf-8"), SOURCE
     from tailorkv.engine.ui import read_text_bytes
-    if data != "-" and os.path.exists(data) and not os.path.isdir(data) and not os.path.isfile(data):
-        text, raw = read_stream(data)  # /dev/null, /dev/stdin, a pipe such as <(cat a.txt b.txt)
-    else:
-        text, raw = read_text_bytes(data, "--data")
+    text, raw = read_text_bytes(data, "--data")
     if not text.strip():
         what = "the calibration text on stdin (--data -)" if data == "-" else f"the calibration file --data {data}"
         raise InputError(f"{what} is empty{'' if not raw else ' (only blank space)'}: give a few thousand tokens of "
                          f"text (or leave --data out for the built-in text)")
     return text, raw, "stdin" if data == "-" else data
-
-
-def read_stream(path: str) -> tuple[str, bytes]:
-    """(text, raw bytes) of --data that exists but is no regular file (a device, a named or an anonymous pipe)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(STREAM_CAP + 1)
-    except OSError as e:
-        raise InputError(f"--data {path} cannot be read ({e.strerror or e}): give a text file") from None
-    if len(raw) > STREAM_CAP:
-        raise InputError(f"--data {path} gave more than {STREAM_CAP >> 20} MiB without ending: give a text file")
-    try:
-        return raw.decode("utf-8-sig"), raw
-    except UnicodeDecodeError:
-        raise InputError(f"--data {path} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from None
 
 
 def default_out(model: str, family: dict, random: bool) -> str:
@@ -216,7 +197,7 @@ def run_profile(model, weights, random_weights, device, dtype, data, tau, length
     all_ids = bos + tok.encode(text)
     ids = all_ids[:want]
     if len(ids) < MIN_LENGTH:
-        raise InputError(f"the calibration text gives only {len(ids)} token{'s' if len(ids) != 1 else ''}, fewer "
+        raise InputError(f"the calibration text gives only {ui.count(len(ids), 'token')}, fewer "
                          f"than the {MIN_LENGTH} calibration needs: give --data more text (a few thousand tokens)")
     if len(all_ids) < want:
         err.print(f"[yellow]the calibration text has {len(all_ids)} tokens, fewer than --length {want}: "
