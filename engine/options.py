@@ -110,8 +110,9 @@ def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
         flag = "--" + k.replace("_", "-")
         if not set(KNOB_USERS[k]) & set(methods):
             chosen = ", ".join(methods)
+            which = "that method" if len(KNOB_USERS[k]) == 1 else "one of those methods"
             raise UserError(f"{flag} has no effect under {chosen}: it applies to {_users(k)}; drop {flag} "
-                            f"or choose one of those methods")
+                            f"or choose {which}")
         if select not in SELECT_KNOBS.get(k, (select,)):
             modes = " or ".join(SELECT_KNOBS[k])
             raise UserError(f"{flag} has no effect with --select {select}: it applies to --select {modes}; drop "

@@ -10,10 +10,12 @@ from rich.markup import escape
 
 from tailorkv.engine.ui import err, fmt_bytes
 
-HELP = "/reset clears the chat, /stats shows the last turn's figures, /exit quits; Ctrl-C stops an answer, Ctrl-D exits"
+HELP = ("/reset clears the chat, /stats shows the last turn's figures, /exit (or /quit) quits, /help shows this; "
+        "Ctrl-C stops an answer, Ctrl-D exits")
 EXITS = ("/exit", "/quit", "/bye")
-COMMANDS = ("/reset", "/stats", *EXITS)
-ON_DEVICE_ALL = ("full", "quest")  # methods that keep every token's K and V on the device
+COMMANDS = ("/reset", "/stats", "/help", *EXITS)
+ON_DEVICE_ALL = ("full", "quest")
+EMPTY_WHY = {"eos": "the model ended its turn at once", "stop string": "the answer began with a --stop string"}  # methods that keep every token's K and V on the device
 
 
 def kv_line(engine) -> str:
@@ -59,7 +61,8 @@ def stats_text(chat, last) -> str:
     lines = [f"last turn: {turn_line(last, eng)}" if last else
              f"no finished turn since the start or /reset; {kv_line(eng)}",
              f"{len(chat.messages)} messages; sampling {eng.sampling.describe()}",
-             f"{eng.cache.method} counters (last step): {counters_text(eng.cache.stats())}"]
+             f"{eng.cache.method} counters (last step, summed over the {len(eng.cache.layers)} layers): "
+             f"{counters_text(eng.cache.stats())}"]
     return "\n".join(lines)
 
 
@@ -109,8 +112,13 @@ def repl(chat, max_new_tokens: int, stop: tuple[str, ...], sampling_note: str = 
             err.print("[bold red]error:[/] that line holds bytes that are not UTF-8 text: type it again "
                       "(the chat is kept)")
             continue
+        if cmd.startswith("/"):
+            cmd = cmd.lower()  # /STATS is /stats
         if cmd in EXITS:
             return
+        if cmd == "/help":
+            con.print(f"[dim]{HELP}[/]")
+            continue
         if cmd == "/reset":
             chat.reset()
             last = None
@@ -139,8 +147,10 @@ def turn(con: Console, chat, text: str, max_new_tokens: int, stop: tuple[str, ..
     from tailorkv.engine.errors import InputError
     eng = chat.engine  # on every error below, chat.send has already kept the history and repaired the cache
     try:
-        _, stats = chat.send(text, max_new_tokens, stop, on_text=lambda s: _write(con, s))
+        answer, stats = chat.send(text, max_new_tokens, stop, on_text=lambda s: _write(con, s))
         con.print()
+        if not answer.strip():
+            con.print(f"[dim](an empty answer: {EMPTY_WHY.get(stats.stop, 'nothing came before it ended')})[/]")
         con.print(f"[dim]{turn_line(stats, eng)}[/]")
         note = context_full_note(stats, eng, "/reset the chat, or restart with a larger --ctx")
         if note:

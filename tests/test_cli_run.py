@@ -118,8 +118,8 @@ def test_parse_ctx():
 
 
 def test_interactive_chat_commands():
-    lines = [b"What is the capital of France?", b"\xff\xfe caf\xe9?", b"/stats", b"/foo", b"/stats please", b"/reset",
-             b"/stats"]
+    lines = [b"What is the capital of France?", b"\xff\xfe caf\xe9?", b"/STATS", b"/foo", b"/stats please", b"/help",
+             b"/reset", b"/stats"]
     res = CliRunner().invoke(main, ["run", "--device", "cpu", "-n", "16", "--temp", "0"],
                              input=b"\n".join(lines) + b"\n")
     assert res.exit_code == 0, res.output
@@ -129,8 +129,9 @@ def test_interactive_chat_commands():
     assert "not UTF-8" in res.stderr and "the chat is kept" in res.stderr  # a bad line is refused (on stderr),
     assert "not UTF-8" not in out                                          # the chat goes on
     assert "/foo is not a command" in out and "/stats takes no arguments" in out
-    assert "conversation cleared" in out
-    assert out.count("2 messages") == 1 and "0 messages" in out  # /stats before and after /reset
+    assert "conversation cleared" in out and "/help shows this" in out.split("/stats takes no arguments")[1]
+    assert out.count("2 messages") == 1 and "0 messages" in out  # /STATS (any case) before /reset, /stats after
+    assert "counters (last step, summed over the 30 layers): " in out
     assert "last turn: prefill" in out and "no finished turn since the start or /reset" in out  # /reset forgets the figures
     assert "{" not in out.split("/reset")[0].split("Paris")[-1]   # counters are words, not a Python dict
 
@@ -186,6 +187,8 @@ def test_interactive_chat_commands():
     (["--gpu-mem-limit", "0"], ["--gpu-mem-limit '0' is not a size"]),
     (["--gpu-mem-limit", "nan"], ["--gpu-mem-limit 'nan' is not a size"]),
     (["--device", "xyz"], ["--device 'xyz' is not a device", "cpu or cuda"]),
+    (["--method", "snapkv", "--channels", "4"], ["--channels has no effect under snapkv: it applies to tailorkv; "
+                                                 "drop --channels or choose that method"]),
     (["--device", "cuda:x"], ["--device 'cuda:x' is not a device", "cpu or cuda"]),
     (["--method", "quest", "--budget", "1x"], ["--budget '1x' is not a length", "1024 or 1k"]),
     (["--method", "quest", "--budget", "0.001k"], ["--budget 1 must be at least one quest page"]),
@@ -531,3 +534,19 @@ def test_the_load_bar_shows_no_count_before_the_loader_knows_one(monkeypatch):
     ui.load_with_progress("m", None, False, "cpu", None)
     text = con.export_text()
     assert "None" not in text and "1/4" in text, text
+
+
+def test_an_empty_answer_is_named():
+    """A turn that prints nothing says why, instead of an empty line over 'decode 0 tok'."""
+    from types import SimpleNamespace as NS
+    from rich.console import Console
+    from tailorkv.engine import repl
+    con = Console(record=True, width=300)
+    stats = NS(stop="eos", prompt_tokens=5, prefill_tps=10.0, new_tokens=0, decode_tps=0.0)
+    cache = NS(device_bytes=lambda: 0, host_bytes=lambda: 0, method="full")
+    chat = NS(send=lambda text, n, stop, on_text: ("", stats), engine=NS(cache=cache, tokens=[1] * 5, max_len=64))
+    repl.turn(con, chat, "hi", 8, ())
+    assert "(an empty answer: the model ended its turn at once)" in con.export_text()
+    chat.send = lambda text, n, stop, on_text: ("Paris", stats)
+    repl.turn(con, chat, "hi", 8, ())
+    assert con.export_text().count("an empty answer") == 0  # export_text clears what it returned

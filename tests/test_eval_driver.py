@@ -545,6 +545,7 @@ def test_paper_protocol_gives_baselines_dense_layers(tiny_dir, tmp_path):
     (["--budgets", "3%"], "--budgets has no effect under full: it keeps every token"),
     (["--methods", "full,tailorkv", "--split", "paper"], "--split has no effect here: it places sink and recent"),
     (["--methods", "tailorkv", "--budgets", "1024", "--split", "paper"], "--split has no effect here"),
+    (["--lengths", "100"], "--lengths 100 is too short: passkey: the prompt needs"),
     (["--fidelity-tokens", "600"], "--fidelity-tokens 600 must be smaller than the length 512: lower"),
     (["--max-new-tokens", "100000"], "--max-new-tokens 100000 leaves no room for the prompt in the length 512"),
     (["--max-new-tokens", "500"], "--lengths 512 leaves no room for passkey: its 500 new tokens take nearly all"),

@@ -464,4 +464,6 @@ def test_a_tables_title_stays_on_one_line():
     con = Console(width=200, record=True)
     for t in score_tables(res):
         con.print(t)
-    assert "budget 64, length 512: score 0-100" in [line.rstrip() for line in con.export_text().splitlines()]
+    lines = [line.rstrip() for line in con.export_text().splitlines()]
+    assert "budget 64, length 512: score 0-100" in lines
+    assert "budget 64 tokens per layer" in lines and not any("top-K" in line for line in lines)  # no tailorkv split

@@ -65,7 +65,10 @@ def build_suites(tokenizer, plan, lengths: Iterable[int] | None = None) -> dict[
             if target < 16:
                 raise InputError(f"--lengths {n} leaves no room for {task}: the prompt template and "
                                  f"{plan.max_new(task)} new tokens need more; use a longer length")
-            suite += make_suite(tokenizer, target, plan.samples, plan.seed, tasks=[task])
+            try:
+                suite += make_suite(tokenizer, target, plan.samples, plan.seed, tasks=[task])
+            except InputError as e:
+                raise InputError(f"--lengths {n} is too short: {e}") from None
         out[n] = suite
     return out
 

@@ -41,11 +41,13 @@ def score_tables(res: dict) -> list[Table]:
         label = g["label"]
         for n in e["lengths"]:
             cells = summ[label]["per_length"][str(n)]
-            s = next(iter(res["settings"][label][str(n)].values()))
+            by_method = res["settings"][label][str(n)]
+            s = by_method.get("tailorkv") or next(iter(by_method.values()))  # the split is tailorkv's
             budgeted = any(m not in EXACT_METHODS for m in methods)
             title = f"{f'budget {label}, ' if budgeted else ''}length {length_label(n)}: score 0-100"
             t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title),
-                      caption=f"budget {split_text(s)}" if budgeted else None, caption_justify="left")
+                      caption=(f"budget {split_text(s)}" if "tailorkv" in by_method else
+                               f"budget {s['budget']} tokens per layer" if budgeted else None), caption_justify="left")
             t.add_column("task")
             for m in methods:
                 t.add_column(m, justify="right")
