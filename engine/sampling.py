@@ -110,11 +110,14 @@ def resolve(flags: dict, model_file: dict | None = None, greedy: bool = False,
     base.update(shipped)
     if greedy:
         base["temperature"] = 0.0
-    parts = [f"{', '.join(sorted(k for k in given if k != 'seed'))} from the flags"] if set(given) - {"seed"} else []
-    parts += [f"{', '.join(sorted(shipped))} from {model_source}"] if shipped else []
-    source = ", ".join(parts + ["the rest llama.cpp defaults" if parts else "llama.cpp defaults"])
     p = SamplingParams(**{k: v for k, v in {**base, **given}.items() if k in known})
     p.validate()
+    unused = {"seed"} | ({"top_k", "top_p", "min_p"} if p.greedy else set())  # no effect: not named as sources
+    overridden = {"temperature"} if greedy else set()  # by the one-shot's greedy default, not the model's
+    flagged, from_model = sorted(set(given) - unused), sorted(set(shipped) - unused - overridden)
+    parts = [f"{', '.join(flagged)} from the flags"] if flagged else []
+    parts += [f"{', '.join(from_model)} from {model_source}"] if from_model else []
+    source = ", ".join(parts + ["the rest llama.cpp defaults" if parts else "llama.cpp defaults"])
     return p, source
 
 

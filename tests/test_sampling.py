@@ -95,6 +95,13 @@ def test_defaults_come_from_flags_then_model_then_llama_cpp():
                       "the rest llama.cpp defaults")  # each value credited to where it came from
     assert resolve({}, {"do_sample": False, "temperature": 0.6})[0].greedy
     assert resolve({}, model, greedy=True)[0].greedy and not resolve({"temperature": 0.5}, model, greedy=True)[0].greedy
+    # greedy: the model's top_p and temperature take no part, so they are not named as where values came from
+    assert resolve({"temperature": 0}, model)[1] == ("temperature from the flags, repeat_penalty from the model's "
+                                                     "generation config, the rest llama.cpp defaults")
+    assert resolve({}, model, greedy=True)[1] == ("repeat_penalty from the model's generation config, the rest "
+                                                  "llama.cpp defaults")
+    assert resolve({"temperature": 0.5}, model, greedy=True)[1].startswith("temperature from the flags, "
+                                                                            "repeat_penalty, top_p from the model's")
     p, _ = resolve({}, {"general.sampling.temp": 0.3, "general.sampling.penalty_last_n": 32})  # GGUF metadata
     assert (p.temperature, p.repeat_last_n) == (0.3, 32)
 
