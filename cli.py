@@ -11,7 +11,8 @@ from tailorkv import __version__
 from tailorkv.engine.options import (check_for_model, check_knob_use, method_options, model_defaults, model_options,
                                      peek, plan_memory, settings_from)
 from tailorkv.engine.ui import (FULL_DISK, OneLineErrors, UserError, cap_gpu_memory, check_ctx, err, friendly,
-                                load_with_progress, parse_ctx, pick_device, pick_dtype, read_text_file, set_threads, utf8_text)
+                                full_disk_error, load_with_progress, parse_ctx, pick_device, pick_dtype, read_text_file,
+                                set_threads, utf8_text)
 
 SAMPLING_HELP = ("Sampling defaults: each value the model's generation_config.json names (for smollm2-135m, "
                  "its model card's temperature 0.2 and top-p 0.9, kept in configs/), else llama.cpp's: temperature "
@@ -140,8 +141,7 @@ def unwritable(e: OSError, what: str) -> None:
     """stdout refused a write: one line (a full disk, /dev/full), or click's quiet end where the reader stopped."""
     if e.errno == errno.EPIPE or e.errno is None:  # the reader stopped (| head): click ends quietly
         raise e
-    raise UserError(f"{what} cannot be written to stdout ({e.strerror}): free space there, or send it "
-                    f"elsewhere") from None
+    raise full_disk_error(e, what) from None
 
 
 def one_shot_prompt(prompt: str | None, prompt_file: str | None) -> str | None:

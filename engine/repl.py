@@ -14,8 +14,8 @@ HELP = ("/reset clears the chat, /stats shows the last turn's figures, /exit (or
         "Ctrl-C stops an answer, Ctrl-D exits")
 EXITS = ("/exit", "/quit", "/bye")
 COMMANDS = ("/reset", "/stats", "/help", *EXITS)
-ON_DEVICE_ALL = ("full", "quest")
-EMPTY_WHY = {"eos": "the model ended its turn at once", "stop string": "the answer began with a --stop string"}  # methods that keep every token's K and V on the device
+ON_DEVICE_ALL = ("full", "quest")  # methods that keep every token's K and V on the device
+EMPTY_WHY = {"eos": "the model ended its turn at once", "stop string": "the answer began with a --stop string"}
 
 
 def kv_line(engine) -> str:

@@ -118,12 +118,16 @@ def friendly(fn):
         except OSError as e:
             if e.errno not in FULL_DISK:
                 raise
-            where = e.filename if e.filename is not None else "stdout"
-            fix = ("a file-size limit (ulimit -f) stops it: raise the limit" if e.errno == errno.EFBIG
-                   else "free space there")
-            raise UserError(f"the output cannot be written to {where} ({e.strerror}): {fix}, or send it "
-                            f"elsewhere") from None
+            raise full_disk_error(e, "the output") from None
     return wrapper
+
+
+def full_disk_error(e: OSError, what: str) -> UserError:
+    """One line for a write refused for want of space (FULL_DISK): `what` could not be written to the file the
+    error names, else stdout; the fix for a file-size limit is the limit."""
+    where = e.filename if e.filename is not None else "stdout"
+    fix = "a file-size limit (ulimit -f) stops it: raise the limit" if e.errno == errno.EFBIG else "free space there"
+    return UserError(f"{what} cannot be written to {where} ({e.strerror}): {fix}, or send it elsewhere")
 
 
 def parse_length(text: str, flag: str = "--ctx", examples: str = "8192, 8k or 128k") -> int:

@@ -67,6 +67,11 @@ class Budget:
         return {"label": self.label, "kind": self.kind, "frac": self.frac, "tokens": self.tokens}
 
 
+def budgeted(methods) -> list[str]:
+    """The methods a budget group limits (all but EXACT_METHODS), in their order."""
+    return [m for m in methods if m not in EXACT_METHODS]
+
+
 def parse_budget(text: str) -> Budget:
     """'3%' or '0.03' -> a fraction of the length; '1024' or '1k' -> tokens."""
     t = text.strip().lower()

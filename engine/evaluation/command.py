@@ -176,12 +176,11 @@ def check_budget_knobs(ctx: click.Context, plan) -> None:
         if why.get(k):
             flag = "--" + k
             raise InputError(f"{flag} has no effect here: {why[k].format(flag=flag)}")
-    from tailorkv.engine.evaluation.budgets import EXACT_METHODS
+    from tailorkv.engine.evaluation.budgets import budgeted
     from tailorkv.engine.settings import KNOB_USERS
-    budgeted = [m for m in plan.methods if m not in EXACT_METHODS]
     for k in given_knobs(ctx, ("budgets", "budget_frac", "split")):
         flag = "--" + k.replace("_", "-")
-        if not budgeted:
+        if not budgeted(plan.methods):
             they = "it keeps" if len(plan.methods) == 1 else "they keep"
             raise InputError(f"{flag} has no effect under {', '.join(plan.methods)}: {they} every token; add a "
                              f"method with a budget ({', '.join(KNOB_USERS['budget'])}) or drop {flag}")

@@ -17,10 +17,10 @@ def title_line(res: dict) -> str:
 
 def budget_line(e: dict) -> str:
     """The budget groups (where a method with a budget ran) and tailorkv's bits and r (where it ran)."""
-    from tailorkv.engine.evaluation.budgets import EXACT_METHODS
+    from tailorkv.engine.evaluation.budgets import budgeted
     b, methods = e["base_settings"], e.get("methods") or []
     parts = []
-    if any(m not in EXACT_METHODS for m in methods):
+    if budgeted(methods):
         parts.append(f"budgets {', '.join(g['label'] for g in e['budgets'])} (split {e['split']})")
     if "tailorkv" in methods:
         parts.append(f"{b['bits']}-bit quant layers, r = {b['channels']} channels")

@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from tailorkv.engine.evaluation.budgets import EXACT_METHODS
+from tailorkv.engine.evaluation.budgets import EXACT_METHODS, budgeted
 from tailorkv.engine.evaluation.plan import length_label
 from tailorkv.engine.evaluation.labels import budget_line, title_line
 
@@ -95,7 +95,7 @@ def plot_budgets(res: dict, path: str) -> None:
     from matplotlib import ticker
     e = res["eval"]
     methods, lengths = e["methods"], e["lengths"]
-    sparse = [m for m in methods if m not in EXACT_METHODS]
+    sparse = budgeted(methods)
     cols = [(length_label(n), n) for n in lengths]
     if len(lengths) > 1 and any(g["frac"] is not None for g in e["budgets"]):
         cols.append(("mean over lengths", None))

@@ -13,7 +13,7 @@ import os
 
 from rich.table import Table
 
-from tailorkv.engine.evaluation.budgets import EXACT_METHODS
+from tailorkv.engine.evaluation.budgets import budgeted
 from tailorkv.engine.evaluation.labels import split_text
 from tailorkv.engine.evaluation.plan import length_label
 
@@ -31,23 +31,28 @@ def _pm(x, se, digits: int = 1, signed: bool = False) -> str:
     return v if se is None else f"{v} ± {se:.{digits}f}"
 
 
+def _titled(title: str, caption: str | None = None) -> Table:
+    """A table at least as wide as its title, which then stays on one line."""
+    return Table(title=title, title_justify="left", header_style="bold", min_width=len(title), caption=caption,
+                 caption_justify="left")
+
+
 def score_tables(res: dict) -> list[Table]:
     e, summ = res["eval"], res["summary"]["budgets"]
     methods, tasks = e["methods"], e["tasks"]
     out: list[Table] = []
     if not e["samples_per_task"]:
         return out
+    limited = bool(budgeted(methods))
     for g in e["budgets"]:
         label = g["label"]
         for n in e["lengths"]:
             cells = summ[label]["per_length"][str(n)]
             by_method = res["settings"][label][str(n)]
             s = by_method.get("tailorkv") or next(iter(by_method.values()))  # the split is tailorkv's
-            budgeted = any(m not in EXACT_METHODS for m in methods)
-            title = f"{f'budget {label}, ' if budgeted else ''}length {length_label(n)}: score 0-100"
-            t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title),
-                      caption=(f"budget {split_text(s)}" if "tailorkv" in by_method else
-                               f"budget {s['budget']} tokens per layer" if budgeted else None), caption_justify="left")
+            t = _titled(f"{f'budget {label}, ' if limited else ''}length {length_label(n)}: score 0-100",
+                        caption=(f"budget {split_text(s)}" if "tailorkv" in by_method else
+                                 f"budget {s['budget']} tokens per layer" if limited else None))
             t.add_column("task")
             for m in methods:
                 t.add_column(m, justify="right")
@@ -78,9 +83,7 @@ def score_tables(res: dict) -> list[Table]:
 def _over_lengths(res: dict, label: str) -> Table:
     e, summ = res["eval"], res["summary"]["budgets"][label]
     methods = e["methods"]
-    budgeted = any(m not in EXACT_METHODS for m in res["eval"]["methods"])
-    title = f"{f'budget {label}: ' if budgeted else ''}average score over tasks (dNLL)"
-    t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title))
+    t = _titled(f"{f'budget {label}: ' if budgeted(methods) else ''}average score over tasks (dNLL)")
     t.add_column("length")
     for m in methods:
         t.add_column(m, justify="right")
@@ -100,8 +103,7 @@ def _over_lengths(res: dict, label: str) -> Table:
 def _budget_summary(res: dict) -> Table:
     e, summ = res["eval"], res["summary"]["budgets"]
     methods = [m for m in e["methods"]]
-    title = "every budget: average over lengths and tasks, score (paired diff ± SE) / dNLL ± SE"
-    t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title))
+    t = _titled("every budget: average over lengths and tasks, score (paired diff ± SE) / dNLL ± SE")
     t.add_column("budget")
     for m in methods:
         t.add_column(m, justify="right")
@@ -121,8 +123,8 @@ def fidelity_table(res: dict) -> Table | None:
     recs = res.get("fidelity") or []
     if not recs:
         return None
-    title = f"fidelity vs full: {res['eval']['fidelity_tokens']} teacher-forced tokens of essay text after the prefix"
-    t = Table(title=title, title_justify="left", header_style="bold", min_width=len(title))
+    t = _titled(f"fidelity vs full: {res['eval']['fidelity_tokens']} teacher-forced tokens of essay text after the "
+                f"prefix")
     for name in ("length", "budget", "method", "top-1 %", "KL mean", "KL p99", "KL max", "NLL full", "NLL method",
                  "attn recall"):
         t.add_column(name, justify="left" if name in ("length", "budget", "method") else "right")
