@@ -4,7 +4,8 @@
 #   STEPS="tests kernels fused bench" bash bench/device_session.sh
 # Steps: tests (pytest -m cuda), kernels (bench/kernels.py), fused (bench/fused.py), bench (BENCH_ARGS),
 # sdpa (bench/sdpa_backends.py), equiv / equiv8b (bench/decode_equivalence.py on SmolLM2 / random 8B),
-# chat (bench/chat_scenario.sh: the card's command, two turns at ~120k tokens).
+# chat (bench/chat_scenario.sh: the card's command, two turns at ~120k tokens), truncate
+# (bench/probes/quant_truncate_gpu.py: a tailorkv cache cut back by a token against one that never held it).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -44,6 +45,7 @@ for s in ${STEPS:-tests}; do
         equiv8b) step equiv8b "${EQUIV_LIMIT:-240}" python3 bench/decode_equivalence.py --model llama-3.1-8b \
             --random-weights ${EQUIV8B_ARGS:-} --out "$OUT/equiv" ;;
         bisect) step bisect "${BISECT_LIMIT:-400}" bash bench/bisect_kernels.sh ;;
+        truncate) step truncate "${TRUNCATE_LIMIT:-120}" python3 bench/probes/quant_truncate_gpu.py ${TRUNCATE_ARGS:-} ;;
         chat) step chat "${CHAT_LIMIT:-300}" bash bench/chat_scenario.sh "$OUT/chat" ;;
         *) echo "unknown step $s" ;;
     esac
