@@ -38,11 +38,12 @@ def weight_bytes(cfg, dtype_bytes: int) -> int:
     return dtype_bytes * (cfg.params - on_host)
 
 
-def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> int:
+def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int, kt_bits: int = 16) -> int:
     """A prompt's largest moment in a layer (models/llama.py): the residual stream, the layer's input (which its q,
     then the attention output, then the layer's output overwrite, where q is as wide as the input and the prompt
     longer than one chunk; else the stacked q/k/v output and the attention output beside it), K and V, and one
-    chunk's temporaries: the MLP's, and the two staging slots of the sparse layers' copies to the host."""
+    chunk's temporaries: the MLP's, and the two staging slots of the sparse layers' copies to the host (with an
+    8-bit K^T, its e4m3 slots too)."""
     from tailorkv.engine.policies.sparse import STORE_CHUNK
     from tailorkv.models.llama import MLP_CHUNK
     hd, q_width = cfg.head_dim, cfg.n_heads * cfg.head_dim
@@ -53,7 +54,8 @@ def prefill_activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> 
         per_token = cfg.dim + q_width + kv_width + q_width
     mlp = min(tokens, MLP_CHUNK) * 3 * cfg.hidden_dim
     staging = 2 * min(tokens, STORE_CHUNK) * (kv_width + cfg.n_kv_heads * hd)   # K and V, and K^T on the paper's path
-    return dtype_bytes * batch * (tokens * per_token + mlp + staging) + 4 * batch * cfg.vocab_size
+    e4m3 = 2 * min(tokens, STORE_CHUNK) * cfg.n_kv_heads * hd if kt_bits == 8 else 0
+    return dtype_bytes * batch * (tokens * per_token + mlp + staging) + batch * e4m3 + 4 * batch * cfg.vocab_size
 
 
 def sketch_bytes(cfg, ctx: int, sink: int, bits: int, group: int, batch: int) -> int:
@@ -92,7 +94,8 @@ def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtyp
         buffers = 0
     else:
         r = min(settings.channels, hd)
-        buffers = max(0, ctx - settings.sink) * (r * dtype_bytes + 4) + 8 * r  # + the r channel indices
+        kt = dtype_bytes if settings.kt_bits == 16 else 1
+        buffers = max(0, ctx - settings.sink) * (r * kt + 4) + 8 * r  # + the r channel indices
     return batch * kv * slots + rows + (settings.predict_ahead + 1) * batch * kv * buffers // max(1, cfg.n_layers)
 
 
@@ -123,8 +126,9 @@ def estimate(cfg, settings: MethodSettings, layer_names: list[str], ctx: int, ba
              + sparse * sparse_layer_bytes(cfg, settings, ctx, batch, dtype_bytes))
     q_rows = cfg.n_heads * cfg.head_dim  # --predict-weights fp8: a byte per W_q weight and a scale per row
     copies = cfg.n_layers * q_rows * (cfg.dim + 4) if settings.predict_weights == "fp8" else 0
-    return Estimate(weight_bytes(cfg, dtype_bytes) + copies, prefill_activation_bytes(cfg, ctx, batch, dtype_bytes),
-                    sketch, other)
+    kt_bits = 16 if settings.sketched else settings.kt_bits
+    return Estimate(weight_bytes(cfg, dtype_bytes) + copies,
+                    prefill_activation_bytes(cfg, ctx, batch, dtype_bytes, kt_bits), sketch, other)
 
 
 @dataclass

@@ -34,8 +34,8 @@ def _users(knob: str) -> str:
 
 
 def method_options(fn):
-    from tailorkv.engine.settings import (CHANNEL_RULES, DEFAULT_BITS, METHODS, PREDICT_WEIGHTS, SELECT_MODES,
-                                          SELECT_RULES, SKETCH_BITS, MethodSettings)
+    from tailorkv.engine.settings import (CHANNEL_RULES, DEFAULT_BITS, KT_BITS, METHODS, PREDICT_WEIGHTS,
+                                          SELECT_MODES, SELECT_RULES, SKETCH_BITS, MethodSettings)
     d = MethodSettings()
     opts = [
         click.option("--method", type=click.Choice(METHODS), default="full", show_default=True, help="KV-cache method"),
@@ -62,6 +62,11 @@ def method_options(fn):
         click.option("--sketch-bits", type=click.Choice([str(b) for b in SKETCH_BITS]), default=str(d.sketch_bits),
                      show_default=True,
                      help=f"bits of the key sketch ({_users('sketch_bits')})"),
+        click.option("--kt-bits", type=click.Choice([str(b) for b in KT_BITS]), default=str(d.kt_bits),
+                     show_default=True,
+                     help="bits of the K^T copy in host memory whose rows --select channels reads each step: the "
+                          "keys' own (16) or e4m3 with a power-of-two scale per channel (8: half the PCIe bytes) "
+                          f"({_users('kt_bits')})"),
         click.option("--predict-ahead", type=int, default=d.predict_ahead, show_default=True,
                      help="a sparse layer's query predicted from the input of the layer this many before it (1: the "
                           "paper's one layer early; more gives its selection and fetch more layers to run under) "
@@ -87,7 +92,7 @@ def method_options(fn):
 
 
 KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "layer_profile", "select", "sketch_bits",
-         "predict_ahead", "predict_weights", "select_rule", "channel_rule", "own_query_below")
+         "kt_bits", "predict_ahead", "predict_weights", "select_rule", "channel_rule", "own_query_below")
 
 
 def given_knobs(ctx: click.Context, names=KNOBS) -> list[str]:
@@ -121,7 +126,7 @@ def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
 
 def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select="channels", sketch_bits=2,
                   select_rule=None, channel_rule=None, own_query_below=None, predict_ahead=1, predict_weights="bf16",
-                  layer_profile=None):
+                  layer_profile=None, kt_bits=16):
     from tailorkv.engine.settings import MethodSettings
     ql = None
     if quant_layers is not None:
@@ -134,7 +139,7 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
     s = MethodSettings(method=method, bits=None if bits is None else int(bits), budget=budget, sink=sink,
                        recent=recent, channels=channels, quant_layers=ql, select=select,
                        layer_profile=os.path.abspath(layer_profile) if layer_profile else None,  # as --resume compares
-                       sketch_bits=int(sketch_bits), predict_ahead=predict_ahead, predict_weights=predict_weights,
+                       sketch_bits=int(sketch_bits), kt_bits=int(kt_bits), predict_ahead=predict_ahead, predict_weights=predict_weights,
                        **rules)
     try:
         s.validate()

@@ -9,6 +9,7 @@ from tailorkv.ops.select_rules import CHANNEL_RULES
 METHODS = ("full", "tailorkv", "offload", "streamingllm", "snapkv", "quest")
 SELECT_MODES = ("channels", "sketch", "sketch-ahead")  # where a sparse layer's approximate scores come from
 SKETCH_BITS = (1, 2, 4)                 # the key sketch's precision
+KT_BITS = (16, 8)                       # the K^T store's precision (8: e4m3, a power-of-two scale per channel)
 PREDICT_WEIGHTS = ("bf16", "fp8")       # the W_q copy that the one-layer-early query prediction reads
 SELECT_RULES = ("paper", "lse", "psum")  # how a GQA group's query heads pick their KV head's top-K tokens
 DEFAULT_BITS = 1  # quantized layers' bits when neither --bits nor the model's config ("bits") names them
@@ -24,6 +25,7 @@ KNOB_USERS = {
     "layer_profile": ("tailorkv",),
     "select": ("tailorkv",),
     "sketch_bits": ("tailorkv",),
+    "kt_bits": ("tailorkv",),
     "predict_ahead": ("tailorkv",),
     "predict_weights": ("tailorkv",),
     "select_rule": ("tailorkv",),
@@ -34,6 +36,7 @@ SELECT_KNOBS = {  # tailorkv's knobs that only some --select modes use
     "sketch_bits": ("sketch", "sketch-ahead"),
     "channels": ("channels",),
     "channel_rule": ("channels",),
+    "kt_bits": ("channels",),
 }
 
 
@@ -68,6 +71,8 @@ class MethodSettings:
     #                            sketch-ahead = the same sketch scored one layer early from the predicted query,
     #                            the chosen K/V rows gathered on the copy stream under the layer before's compute
     sketch_bits: int = 2       # bits of the sketch (SKETCH_BITS)
+    kt_bits: int = 16          # KT_BITS: bits per element of the host K^T store that --select channels reads
+    #                            (8: float8 e4m3 with a power-of-two scale per KV head and channel: half the bytes)
     quant_layers: list[int] | None = None  # None: from the layer profile
     layer_profile: str | None = None  # a `tailorkv profile` JSON; None: the model's shipped one (configs/profiles)
     own_query_below: float = 0.5  # sparse layers whose profiled q-hat cosine (one-layer-early prediction) is below
@@ -128,6 +133,8 @@ class MethodSettings:
             raise InputError(f"--select {self.select}: use {', '.join(SELECT_MODES)}")
         if self.sketch_bits not in SKETCH_BITS:
             raise InputError(f"--sketch-bits must be 1, 2 or 4, got {self.sketch_bits}")
+        if self.kt_bits not in KT_BITS:
+            raise InputError(f"--kt-bits must be 16 or 8, got {self.kt_bits}")
         if self.select_rule not in SELECT_RULES:
             raise InputError(f"--select-rule {self.select_rule}: use {', '.join(SELECT_RULES)}")
         if self.channel_rule not in CHANNEL_RULES:

@@ -20,7 +20,10 @@ def gather_rows(host: torch.Tensor, idx: torch.Tensor, device: torch.device,
     there and `out` is returned (a preallocated, e.g. double-buffered, destination)."""
     B, H, n = idx.shape
     i = idx.to(host.device, torch.int64)
-    rows = _pick_rows(host, i)
+    if host.dtype == torch.float8_e4m3fn:  # torch's CPU gather has no e4m3: the same bytes as uint8
+        rows = _pick_rows(host.view(torch.uint8), i).view(host.dtype)
+    else:
+        rows = _pick_rows(host, i)
     if out is None:
         return rows.to(device)
     if out.shape != rows.shape or out.dtype != rows.dtype:

@@ -1,6 +1,6 @@
 """CUDA kernel for the token selection of sparse layers (ops/sparse_select.py): approx_scores.
 
-approx_scores: one thread per 8 (bf16/fp16) or 4 (fp32) consecutive tokens of one (batch, KV head), the r
+approx_scores: one thread per 16 (e4m3), 8 (bf16/fp16) or 4 (fp32) consecutive tokens of one (batch, KV head), the r
     summed query channels in shared memory, 16-byte loads of each K^T row: a stream at memory speed.
     With rule "lse" each thread keeps the G heads' logits apart and writes their logsumexp (scaled); tokens
     at or past `end - offset` score -inf. topk_tokens' kernel is in ops/topk_cuda.py.
@@ -13,9 +13,12 @@ import torch
 from tailorkv.ops.cuda_launch import aligned, compile_module, launch, ptr
 from tailorkv.ops.quant_common_cuda import C_TYPES
 
+K_TYPES = {**C_TYPES, "torch.float8_e4m3fn": "__nv_fp8_e4m3"}  # K^T rows may be stored in 8 bits (kt_store.py)
+
 _APPROX = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 typedef {qt} qtype;
 typedef {kt} ktype;
 #define VEC {vec}
@@ -25,6 +28,7 @@ typedef {kt} ktype;
 __device__ __forceinline__ float to_float(float x) {{ return x; }}
 __device__ __forceinline__ float to_float(__half x) {{ return __half2float(x); }}
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) {{ return __bfloat162float(x); }}
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) {{ return float(x); }}
 
 // one score per token from the group's G per-head logits over the r channels
 __device__ __forceinline__ float combine(const float* a, const float scale) {{
@@ -106,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(128) approx_scores_kernel(
 """
 
 def approx_source(qdtype: torch.dtype, kdtype: torch.dtype, vec: int, g: int, lse: bool) -> str:
-    return _APPROX.format(qt=C_TYPES[str(qdtype)], kt=C_TYPES[str(kdtype)], vec=vec, g=g, lse=int(lse))
+    return _APPROX.format(qt=C_TYPES[str(qdtype)], kt=K_TYPES[str(kdtype)], vec=vec, g=g, lse=int(lse))
 
 
 def load_approx_scores(reference):
@@ -115,14 +119,14 @@ def load_approx_scores(reference):
     kernels = {}
 
     def approx_scores(q, kt_rows, channels, out=None, rule="sum", sm_scale=1.0, end=None, offset=0):
-        """Kernel for q and kt_rows of fp32/fp16/bf16 with unit token stride, r <= 256 channels, groups of at
+        """Kernel for q of fp32/fp16/bf16 and kt_rows of those or e4m3, with unit token stride, r <= 256 channels, groups of at
         most 16 heads, rule sum or lse; out (if given) fp32 [B, Hkv, N] with unit token stride; end a one-element
         int64 tensor on the device. Channel indices are clamped to [0, D). Else the reference."""
         B, Hq, one, D = q.shape
         _, Hkv, r, N = kt_rows.shape
         ok = (one == 1 and Hkv > 0 and Hq % Hkv == 0 and Hq // Hkv <= 16 and r <= 256 and rule in ("sum", "lse")
               and q.stride(-1) == 1 and kt_rows.stride(-1) == 1 and str(q.dtype) in C_TYPES
-              and str(kt_rows.dtype) in C_TYPES
+              and str(kt_rows.dtype) in K_TYPES
               and channels.dtype == torch.int64 and channels.shape == (B, Hkv, r)
               and (out is None or (out.shape == (B, Hkv, N) and out.dtype == torch.float32
                                    and out.stride(-1) == 1))

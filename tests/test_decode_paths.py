@@ -66,16 +66,17 @@ def test_cuda_graph_decode_equals_eager(tiny):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("bits,select,ahead", [(1, "channels", 1), (2, "channels", 1), (1, "sketch", 1),
-                                               (1, "sketch-ahead", 1), (1, "sketch-ahead", 3)])
-def test_cuda_graph_tailorkv_equals_eager(tmp_path, bits, select, ahead):
+@pytest.mark.parametrize("bits,select,ahead,kt_bits", [(1, "channels", 1, 16), (2, "channels", 1, 16),
+                                                       (1, "channels", 1, 8), (1, "sketch", 1, 16),
+                                                       (1, "sketch-ahead", 1, 16), (1, "sketch-ahead", 3, 16)])
+def test_cuda_graph_tailorkv_equals_eager(tmp_path, bits, select, ahead, kt_bits):
     """Quant layer 0 and sparse layers: flushes of the key residual and of the sparse tail happen between
     replays (commit), and the middle grows past a bucket: the graphs still equal eager steps. The sketch's
     prompt of 790 tokens leaves a middle of 758: 11 whole groups and a partial one, filled by later flushes."""
     write_tiny_folder(tmp_path, seed=6, hidden=128, n_heads=4, n_kv=2, head_dim=32, max_pos=2048)
     lm = load_model(str(tmp_path), device="cuda", dtype=torch.float32)
     s = MethodSettings("tailorkv", quant_layers=[0], bits=bits, budget=96, sink=8, recent=24, channels=8,
-                       select=select, predict_ahead=ahead)
+                       select=select, predict_ahead=ahead, kt_bits=kt_bits)
     ids = torch.randint(3, 300, (1, 1100), device="cuda")
     eager, graphed, n_graphs = _decode_both(lm, s, ids, 790 if select.startswith("sketch") else 800, 1200)
     for a, b in zip(eager, graphed):  # the same kernels on the same inputs: bit-equal
@@ -152,7 +153,7 @@ def test_quest_decode_step_is_idempotent(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("method", ["full", "tailorkv", "streamingllm", "snapkv", "quest"])
+@pytest.mark.parametrize("method", ["full", "tailorkv", "tailorkv-kt8", "streamingllm", "snapkv", "quest"])
 def test_llama_shaped_decode_hands_no_call_to_a_reference(tmp_path, method, batch):
     """bf16, head_dim 128, 4 query heads per KV head (Llama-3.1-8B's head shape): every op of a bench cell's
     decode that has a kernel runs it (dispatch.FALLBACKS counts the calls a kernel hands to its reference; the
@@ -162,8 +163,10 @@ def test_llama_shaped_decode_hands_no_call_to_a_reference(tmp_path, method, batc
     lm = load_model(str(tmp_path), device="cuda", dtype=torch.bfloat16)
     s = {"full": MethodSettings("full"),
          "tailorkv": MethodSettings("tailorkv", quant_layers=[0], budget=256, sink=16, recent=64),
+         "tailorkv-kt8": MethodSettings("tailorkv", quant_layers=[0], budget=256, sink=16, recent=64, kt_bits=8),
          "streamingllm": MethodSettings("streamingllm", budget=256, sink=16),
          "snapkv": MethodSettings("snapkv", budget=256), "quest": MethodSettings("quest", budget=256)}[method]
+    method = s.method
     plan = B.BenchPlan(ctxs=[3000], methods=[method], settings={method: s}, decode_steps=8, warmup=2, batch=batch)
     cell = B.run_cell(lm, method, 3000, plan)
     assert cell["status"] == "ok", cell.get("error")

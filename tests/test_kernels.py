@@ -166,8 +166,19 @@ def test_gather_rows_reference_reads_views(view):
     assert torch.equal(gather_rows(host, idx, torch.device("cpu")), want)
 
 
+def test_gather_rows_reference_takes_e4m3_rows():
+    """An 8-bit K^T store's rows (engine/policies/kt_store.py): torch's CPU gather has no e4m3."""
+    g = torch.Generator().manual_seed(SEED + 3)
+    base = torch.randn(2, 3, 16, 60, generator=g)
+    host = base.to(torch.float8_e4m3fn)[:, :, :, 5:45]          # channel-major, a slice of the positions
+    idx = torch.randint(0, 16, (2, 3, 4), generator=g)
+    want = gather_rows(base[:, :, :, 5:45], idx, torch.device("cpu")).to(torch.float8_e4m3fn)
+    got = gather_rows(host, idx, torch.device("cpu"))
+    assert got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_gather_rows_kernel_equals_reference(dtype):
     g = torch.Generator().manual_seed(SEED)
     B, H, N, D = 2, 3, 1000, 64
@@ -179,11 +190,12 @@ def test_gather_rows_kernel_equals_reference(dtype):
         idx = torch.randint(0, src.shape[2], (B, H, n_idx), generator=g).cuda()
         got = gather_rows(src, idx, torch.device("cuda"))
         want = gather_rows.reference(src, idx.cpu(), torch.device("cpu"))
-        assert got.is_cuda and got.shape == want.shape
-        assert torch.equal(got.cpu(), want)  # a copy: bit-exact
-        out = torch.full(want.shape, float("nan"), dtype=dtype, device="cuda")
+        assert got.is_cuda and got.shape == want.shape and got.dtype == dtype
+        bits = lambda t: t.cpu().view(torch.uint8)  # noqa: E731  (e4m3 has no torch.equal)
+        assert torch.equal(bits(got), bits(want))  # a copy: bit-exact
+        out = torch.full(want.shape, float("nan"), device="cuda").to(dtype)
         assert kernel(src, idx, torch.device("cuda"), out=out) is out
-        assert torch.equal(out.cpu(), want)
+        assert torch.equal(bits(out), bits(want))
 
 
 @pytest.mark.cuda

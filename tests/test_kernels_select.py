@@ -11,6 +11,8 @@ from helpers import SEED, lowest_ties_topk, rel_err
 from tailorkv.ops import dispatch
 from tailorkv.ops.sparse_select import approx_scores
 
+E4M3 = torch.float8_e4m3fn
+
 
 def plain_scores(q, kt_rows, channels):
     B, Hq = q.shape[:2]
@@ -26,12 +28,12 @@ def plain_scores(q, kt_rows, channels):
 
 
 def inputs(g, B, Hq, Hkv, D, r, N, dtype, device="cpu"):
-    q = torch.randn(B, Hq, 1, D, generator=g).to(device, dtype)
-    kt = torch.randn(B, Hkv, D, N + 11, generator=g).to(device, dtype)
+    """q in dtype (bf16 where dtype is e4m3: the K^T store's 8 bits are for the rows only) and K^T rows."""
+    q = torch.randn(B, Hq, 1, D, generator=g).to(device, torch.bfloat16 if dtype == E4M3 else dtype)
+    kt = torch.randn(B, Hkv, D, N + 11, generator=g)
     channels = torch.stack([torch.randperm(D, generator=g)[:r] for _ in range(B * Hkv)]).reshape(B, Hkv, r)
-    channels = channels.to(device)
-    rows = kt.gather(2, channels[..., None].expand(B, Hkv, r, N + 11))
-    return q, rows, channels
+    rows = kt.gather(2, channels[..., None].expand(B, Hkv, r, N + 11)).to(device, dtype)
+    return q, rows, channels.to(device)
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,r,N", [(1, 8, 2, 16, 4, 50), (2, 9, 3, 8, 8, 33), (1, 4, 4, 8, 1, 7)])
@@ -48,10 +50,21 @@ def test_approx_scores_reference_equals_plain_formula_and_fills_out(B, Hq, Hkv, 
         approx_scores(q, rows, channels, out=torch.empty(B, Hkv, N + 1))
 
 
+def test_approx_scores_reference_takes_e4m3_rows():
+    g = torch.Generator().manual_seed(SEED + 5)
+    q, rows, channels = inputs(g, 1, 8, 2, 16, 4, 40, E4M3)
+    want = plain_scores(q, rows.float(), channels)
+    for rule in ("sum", "lse"):
+        got = approx_scores(q, rows, channels, rule=rule)
+        assert got.dtype == torch.float32 and not got.isnan().any()
+    assert rel_err(approx_scores(q, rows, channels), want) < 1e-6
+
+
 APPROX_CASES = [  # (B, Hq, Hkv, D, r, N, dtype, start of the token window in the rows)
     (1, 32, 8, 128, 12, 131072, torch.bfloat16, 0), (1, 32, 8, 128, 8, 4099, torch.float16, 3),
     (2, 9, 3, 64, 64, 1000, torch.float32, 0), (1, 9, 3, 64, 5, 17, torch.bfloat16, 1),
     (2, 4, 4, 128, 128, 256, torch.bfloat16, 8),
+    (1, 32, 8, 128, 12, 131072, E4M3, 0), (1, 9, 3, 64, 5, 17, E4M3, 1), (2, 4, 4, 128, 16, 4099, E4M3, 16),
 ]
 
 

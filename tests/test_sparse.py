@@ -62,7 +62,7 @@ def check_regions(cache: SparseOffloadCache, K, V, kmax_exact=True):
     assert torch.equal(cache.dev_v[:, :, :len(s)], V[:, :, s.start:s.stop])
     assert torch.equal(cache.host_k[:, :, m.start:m.stop], K[:, :, m.start:m.stop])
     assert torch.equal(cache.host_v[:, :, m.start:m.stop], V[:, :, m.start:m.stop])
-    assert torch.equal(cache.host_kt[:, :, :, m.start:m.stop], K[:, :, m.start:m.stop].transpose(2, 3))
+    assert torch.equal(cache.kt.host[:, :, :, m.start:m.stop], K[:, :, m.start:m.stop].transpose(2, 3))
     S = cache.sink
     assert torch.equal(cache.dev_k[:, :, S:S + len(t)], K[:, :, t.start:t.stop])
     assert torch.equal(cache.dev_v[:, :, S:S + len(t)], V[:, :, t.start:t.stop])
@@ -152,6 +152,64 @@ def test_decode_attends_sink_topk_tail(gen, small_flush, hq, hkv):
         assert s["bytes_fetched"] == B * hkv * 4 * (D * n + 2 * st.topk * D)
         K, V = torch.cat([K, k], 2), torch.cat([V, v], 2)
     check_regions(sp, K, V)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+def test_8bit_kt_store_picks_as_16_bits_do_where_e4m3_holds_the_keys(gen, small_flush, hq, hkv):
+    """Keys of integers up to 8 times a power of two per channel: scaled by a power of two they are exact in
+    e4m3, so the 8-bit K^T store's scores, picks and outputs equal the 16-bit store's; it holds a byte per key."""
+    B, D, P = 1, 16, 150
+    exps = 2.0 ** torch.randint(-4, 5, (D,), generator=gen)
+    keys = lambda T: torch.randint(-8, 9, (B, hkv, T, D), generator=gen).float() * exps  # noqa: E731
+    spec = spec_of(hq, hkv, D, B)
+    st = dict(budget=4 + 8 + 20, channels=6)
+    by_bits = {b: One(SparseOffloadCache(spec, settings(**st, kt_bits=b))) for b in (16, 8)}
+    picks = {b: [] for b in by_bits}
+    for b, c in by_bits.items():
+        c.policy.selector = ObservedSelector(c.policy.selector, lambda layer, q1, pos, b=b: picks[b].append(pos))
+    q, _, v = qkv(gen, B, hq, hkv, P, D)
+    k = keys(P)
+    outs = {b: c.attend(q, k, v, 0) for b, c in by_bits.items()}
+    for step in range(12):
+        q, _, v = qkv(gen, B, hq, hkv, 1, D)
+        k = keys(1)
+        outs = {b: c.attend(q, k, v, P + step) for b, c in by_bits.items()}
+        assert torch.equal(picks[8][-1], picks[16][-1])
+        assert rel_err(outs[8], outs[16]) < 1e-6
+    assert by_bits[8].policy.kt.host.dtype == torch.float8_e4m3fn
+    assert by_bits[16].policy.kt.nbytes() == 4 * by_bits[8].policy.kt.nbytes()       # fp32 keys here
+    assert by_bits[8].stats()["bytes_fetched"] < by_bits[16].stats()["bytes_fetched"]
+
+
+def test_8bit_kt_store_saturates_keys_past_its_scale_and_reset_sets_it_again(gen, small_flush):
+    """A key far past the first write's max|K| is stored as +-448 (e4m3's largest; no NaN) and the step stays finite;
+    after a reset the next prompt sets the scales from its own keys."""
+    B, hq, hkv, D, P = 1, 4, 2, 16, 60
+    sp = One(SparseOffloadCache(spec_of(hq, hkv, D, B), settings(budget=4 + 8 + 16, kt_bits=8)))
+    q, k, v = qkv(gen, B, hq, hkv, P, D)
+    sp.attend(q, k, v, 0)
+    kt = sp.policy.kt
+    scale = kt.scale.clone()
+    assert torch.all(torch.log2(scale) == torch.log2(scale).round())          # powers of two
+    mid = sp.regions()["middle"]
+    stored = kt.host[:, :, :, mid.start:mid.stop].float()
+    assert stored.abs().amax() <= 32 and stored.abs().amax() > 16              # max|K| maps to (16, 32]
+    big = k[:, :, :P - 8] * 1000.0                                             # 1000x: past 448 / 32
+    sp.policy.reset()
+    sp.attend(q, torch.cat([k[:, :, :P - 8] * 1e-3, k[:, :, P - 8:]], 2), v, 0)
+    sp.policy.reset()
+    sp.attend(q, torch.cat([big, k[:, :, P - 8:]], 2), v, 0)                  # scales set again: not saturated
+    stored = kt.host[:, :, :, mid.start:mid.stop].float()
+    assert stored.abs().amax() <= 32 and not torch.equal(kt.scale, scale)
+    sp.policy.reset()
+    sp.attend(q, k, v, 0)
+    assert torch.equal(kt.scale, scale)
+    q1, k1, v1 = qkv(gen, B, hq, hkv, 1, D)
+    for step in range(30):                                                     # flushes of huge keys
+        out = sp.attend(q1, k1 * 1e6, v1, P + step)
+        assert torch.isfinite(out).all()
+    held = kt.host[:, :, :, sp.regions()["middle"]].float()
+    assert not held.isnan().any() and held.abs().amax() == 448
 
 
 # --- (c) channel selection --------------------------------------------------------------------------------

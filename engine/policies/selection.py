@@ -67,7 +67,7 @@ class ChannelSelector(TokenSelector):
     def buffers(self, layer):
         s, n, most = layer.spec, layer.middle_bucket, layer.most_middle()
         B, H, r = s.batch, s.n_kv_heads, layer.r
-        return {"kt_rows": ((B, H, r, n), (B * H * r * most,), s.dtype),
+        return {"kt_rows": ((B, H, r, n), (B * H * r * most,), layer.kt.dtype),
                 "scores": ((B, H, n), (B * H * most,), torch.float32),
                 "channels": ((B, H, r), (B * H * r,), torch.long)}
 
@@ -77,7 +77,7 @@ class ChannelSelector(TokenSelector):
         lo, n = layer.sink, layer.middle_bucket
         chans = layer.buffer("channels")
         chans.copy_(self.channels(layer, q_sel))
-        gather_rows(layer.host_kt[:, :, :, lo:lo + n], chans, q_sel.device, out=layer.buffer("kt_rows"))
+        gather_rows(layer.kt.host[:, :, :, lo:lo + n], chans, q_sel.device, out=layer.buffer("kt_rows"))
 
     def select(self, layer, q):
         lo, n, k = layer.sink, layer.middle_bucket, layer.topk
@@ -85,6 +85,7 @@ class ChannelSelector(TokenSelector):
             return layer.whole_middle(q)
         chans, rows = layer.buffer("channels"), layer.buffer("kt_rows")
         scale = softmax_scale(q.shape[-1])
+        q = layer.kt.query(q)  # scaled as the rows are stored
         if self.rule in ("sum", "lse"):  # one fused pass: the paper's summed logits, or their lse
             scores = approx_scores(q, rows, chans, out=layer.buffer("scores"), rule=self.rule, sm_scale=scale,
                                    end=layer.tail_start_dev, offset=lo)

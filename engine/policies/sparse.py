@@ -7,7 +7,7 @@ Regions, by absolute position (every held token is in exactly one):
                                  `recent` tokens and every token generated since the last flush
 The host store is preallocated to max_len and indexed by absolute position: token-major K and V side by side
 [B, Hkv, max_len, 2, D] (host_k, host_v: its views) and, for the paper's selection, channel-major K^T
-[B, Hkv, D, max_len] (`--select sketch` keeps none). max|K| per (KV head, channel) [B, Hkv, D]
+[B, Hkv, D, max_len] (kt_store.py; `--select sketch` keeps none). max|K| per (KV head, channel) [B, Hkv, D]
 stays on the device and grows with every token added (prompt and generated).
 
 - Multi-token step (prefill, or a later chat turn): exact causal attention of the new queries over every
@@ -28,6 +28,7 @@ import math
 import torch
 
 from tailorkv.engine.cache import LayerCache, LayerSpec
+from tailorkv.engine.policies.kt_store import KtStore
 from tailorkv.engine.policies.selection import ChannelSelector
 from tailorkv.engine.policies.sketch import KeySketch, SketchSelector
 from tailorkv.engine.settings import MethodSettings
@@ -72,7 +73,7 @@ class SparseOffloadCache(LayerCache):
         # sketch-ahead reads its rows beside the GEMVs, from large GPU pages (ops/host_memory.py)
         self.host_kv = host_empty((B, H, N, 2, D), spec.dtype, spec.device, settings.select == "sketch-ahead")
         self.host_k, self.host_v = self.host_kv[:, :, :, 0], self.host_kv[:, :, :, 1]
-        self.host_kt = host_empty((B, H, D, N), spec.dtype, spec.device) if self.sketch is None else None  # paper's
+        self.kt = KtStore(spec, settings.kt_bits) if self.sketch is None else None  # the paper's K^T
         dev = dict(dtype=spec.dtype, device=spec.device)
         self.dev_k = torch.zeros(B, H, self.sink + self.cap, D, **dev)
         self.dev_v = torch.zeros_like(self.dev_k)
@@ -92,6 +93,8 @@ class SparseOffloadCache(LayerCache):
         if self.sketch is not None:
             self.sketch.reset()
         self.selector.reset()
+        if self.kt is not None:
+            self.kt.reset()
         self.q_hat = None
         self.middle_bucket, self.middle_whole, self.whole_width, self.prefetched = 0, False, 0, False
         self._fetched = f"kt_rows:{self.spec.layer_idx}"
@@ -163,7 +166,7 @@ class SparseOffloadCache(LayerCache):
         return pos.expand(q.shape[0], self.spec.n_kv_heads, k)
 
     def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.host_kv, self.host_kt) if t is not None)
+        return self.host_kv.numel() * self.host_kv.element_size() + (self.kt.nbytes() if self.kt else 0)
 
     # --- one step -----------------------------------------------------------------------------------------
     def plan(self, step):
@@ -181,7 +184,7 @@ class SparseOffloadCache(LayerCache):
         self._plan_buffers()
         fetched = min(mid, self.topk)
         kt_rows = 0 if self.sketch is not None else self.r * self.middle_bucket
-        kt_bytes = self.spec.batch * self.spec.n_kv_heads * kt_rows * self.host_k.element_size()
+        kt_bytes = self.spec.batch * self.spec.n_kv_heads * kt_rows * (self.kt.host.element_size() if self.kt else 0)
         self.prefetch_after_attention = self.sketch is None and kt_bytes <= LATE_PREFETCH_BYTES
         gathered = self.whole_width if self.middle_whole else self.topk if mid > 0 else 0
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
@@ -302,19 +305,14 @@ class SparseOffloadCache(LayerCache):
         for s in range(0, k.shape[2], STORE_CHUNK):  # chunks bound the device copies of a prompt
             kc, vc = k[:, :, s:s + STORE_CHUNK], v[:, :, s:s + STORE_CHUNK]
             m, a = kc.shape[2], pos + s
-            shapes = [(B, H, m, 2, D)] + ([(B, H, D, m)] if self.host_kt is not None else [])
-            made, event = self.scheduler.staging("store", shapes, kc.dtype)   # K and V as stored, K^T
-            kvc = made[0]
+            (kvc,), event = self.scheduler.staging("store", [(B, H, m, 2, D)], kc.dtype)  # K and V as stored
             torch.stack([kc, vc], 3, out=kvc)
-            if self.host_kt is not None:
-                ktc = made[1]
-                ktc.copy_(kc.transpose(2, 3))
+            if self.kt is not None:
+                self.kt.write(self.scheduler, kc, a, self.kmax)
             if self.sketch is not None:
                 self.sketch.append(kc)
             with self.scheduler.copy_stream(event):
                 host_copy(self.host_kv[:, :, a:a + m], kvc)
-                if self.host_kt is not None:
-                    host_copy(self.host_kt[:, :, :, a:a + m], ktc)
 
     def _tail_len(self) -> int:
         return max(0, self.held - self.tail_start)
