@@ -30,9 +30,10 @@ def plain_scores(q, kt_rows, channels):
 def inputs(g, B, Hq, Hkv, D, r, N, dtype, device="cpu"):
     """q in dtype (bf16 where dtype is e4m3: the K^T store's 8 bits are for the rows only) and K^T rows."""
     q = torch.randn(B, Hq, 1, D, generator=g).to(device, torch.bfloat16 if dtype == E4M3 else dtype)
-    kt = torch.randn(B, Hkv, D, N + 11, generator=g)
+    W = N + 16 + (-N) % 16  # rows 16-element aligned: a window starting at 0 (or 16 bytes in) takes 16-byte loads
+    kt = torch.randn(B, Hkv, D, W, generator=g)
     channels = torch.stack([torch.randperm(D, generator=g)[:r] for _ in range(B * Hkv)]).reshape(B, Hkv, r)
-    rows = kt.gather(2, channels[..., None].expand(B, Hkv, r, N + 11)).to(device, dtype)
+    rows = kt.gather(2, channels[..., None].expand(B, Hkv, r, W)).to(device, dtype)
     return q, rows, channels.to(device)
 
 
@@ -60,11 +61,12 @@ def test_approx_scores_reference_takes_e4m3_rows():
     assert rel_err(approx_scores(q, rows, channels), want) < 1e-6
 
 
-APPROX_CASES = [  # (B, Hq, Hkv, D, r, N, dtype, start of the token window in the rows)
+APPROX_CASES = [  # (B, Hq, Hkv, D, r, N, dtype, start of the token window in the rows: 16-byte aligned or not)
     (1, 32, 8, 128, 12, 131072, torch.bfloat16, 0), (1, 32, 8, 128, 8, 4099, torch.float16, 3),
     (2, 9, 3, 64, 64, 1000, torch.float32, 0), (1, 9, 3, 64, 5, 17, torch.bfloat16, 1),
     (2, 4, 4, 128, 128, 256, torch.bfloat16, 8),
-    (1, 32, 8, 128, 12, 131072, E4M3, 0), (1, 9, 3, 64, 5, 17, E4M3, 1), (2, 4, 4, 128, 16, 4099, E4M3, 16),
+    (1, 32, 8, 128, 12, 131072, E4M3, 0), (1, 9, 3, 64, 5, 17, E4M3, 1), (2, 4, 4, 128, 16, 4099, E4M3, 0),
+    (1, 8, 2, 64, 8, 4099, torch.bfloat16, 0), (1, 8, 2, 64, 8, 1000, E4M3, 16),
 ]
 
 

@@ -24,7 +24,9 @@ class KtStore:
         self.bits, self.key_dtype = bits, spec.dtype
         self.dtype = spec.dtype if bits == 16 else E4M3
         self.host = host_empty((B, H, D, N), self.dtype, spec.device)
+        # keys x scale are stored; the query meets them times q_scale = 1 / scale (per query head: one op a step)
         self.scale = torch.ones(B, H, D, 1, dtype=spec.dtype, device=spec.device) if bits == 8 else None
+        self.q_scale = torch.ones(B, spec.n_heads, 1, D, dtype=spec.dtype, device=spec.device) if bits == 8 else None
         self.scaled = False
 
     def reset(self) -> None:
@@ -53,10 +55,9 @@ class KtStore:
     def _set_scale(self, kmax: torch.Tensor) -> None:
         exp = torch.floor(torch.log2(TARGET / kmax.float().clamp_min(2.0 ** -60))).clamp_(-60, 60)
         self.scale.copy_(torch.exp2(exp)[..., None])
+        self.q_scale.copy_(torch.exp2(-exp).repeat_interleave(self.q_scale.shape[1] // exp.shape[1], 1)[:, :, None])
         self.scaled = True
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
         """The query [B, Hq, 1, D] the stored rows are scored against (times the inverse scale for 8 bits)."""
-        if self.scale is None:
-            return q
-        return q / self.scale.repeat_interleave(q.shape[1] // self.scale.shape[1], 1).transpose(2, 3)
+        return q if self.q_scale is None else q * self.q_scale
