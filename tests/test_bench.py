@@ -82,6 +82,7 @@ def test_sweep_writes_json_and_plots(tiny, tmp_path):
     check_schema(res, methods, [128, 256])
     tkv = res["method_settings"]["tailorkv"]  # the layers as resolved, not left to a profile file that may change
     assert tkv["quant_layers"] == [0] and isinstance(tkv["own_query_layers"], list)
+    assert res["args"]["sketch_bits"] == 2 and res["args"]["kt_bits"] == 16 and res["args"]["bits"] is None  # numbers
     assert all(c["status"] == "ok" for c in res["cells"]), [c["error"] for c in res["cells"]]
     full = [c for c in res["cells"] if c["method"] == "full"]
     assert full[0]["kv_device_bytes"] > 0 and full[0]["kv_host_bytes"] == 0

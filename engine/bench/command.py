@@ -311,7 +311,8 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
     json_path = os.path.join(out, "bench.json")
     env = R.environment(dev)
     command = R.command_line()
-    args = {k: v for k, v in params.items()}
+    args = {k: int(v) if k in ("bits", "sketch_bits", "kt_bits") and v is not None else v  # click.Choice's strings
+            for k, v in params.items()}
     cells: list[dict] = []
 
     def save():
