@@ -105,7 +105,9 @@ class MethodSettings:
         """ops.sparse_select.combine_heads' name for select_rule."""
         return "sum" if self.select_rule == "paper" else self.select_rule
 
-    def validate(self) -> None:
+    def validate(self, budget_named: str = "--budget {n}", raise_budget: str = "raise --budget") -> None:
+        """budget_named / raise_budget: how messages name the budget and its fix (an eval group names its own)."""
+        bud = budget_named.format(n=self.budget)
         if self.method not in METHODS:
             raise InputError(f"unknown method '{self.method}'; choose one of {', '.join(METHODS)}")
         if self.bits not in (None, 1, 2):
@@ -116,17 +118,16 @@ class MethodSettings:
         if self.budget < 1:
             raise InputError(f"--budget must be a count of tokens above 0, got {self.budget}: e.g. --budget 1024")
         if self.method == "tailorkv" and self.budget < self.sink + self.recent:
-            raise InputError(f"--budget {self.budget} is smaller than --sink {self.sink} + --recent {self.recent}: "
-                             f"raise --budget or lower --sink / --recent")
+            raise InputError(f"{bud} is smaller than --sink {self.sink} + --recent {self.recent}: {raise_budget} "
+                             f"or lower --sink / --recent")
         if self.method == "streamingllm" and self.budget <= self.sink:
-            raise InputError(f"--budget {self.budget} must exceed --sink {self.sink} under streamingllm: raise "
-                             f"--budget or lower --sink")
+            raise InputError(f"{bud} must exceed --sink {self.sink} under streamingllm: {raise_budget} or lower "
+                             f"--sink")
         if self.method == "snapkv" and not 1 <= self.snap_window < self.budget:
-            raise InputError(f"--budget {self.budget} must exceed snapkv's observation window ({self.snap_window} "
-                             f"tokens): raise --budget")
+            raise InputError(f"{bud} must exceed snapkv's observation window ({self.snap_window} tokens): "
+                             f"{raise_budget}")
         if self.method == "quest" and not 1 <= self.page <= self.budget:
-            raise InputError(f"--budget {self.budget} must be at least one quest page ({self.page} tokens): raise "
-                             f"--budget")
+            raise InputError(f"{bud} must be at least one quest page ({self.page} tokens): {raise_budget}")
         if self.channels < 1:
             raise InputError(f"--channels must be at least 1, got {self.channels}: e.g. the paper's 12")
         if self.select not in SELECT_MODES:

@@ -164,5 +164,8 @@ def settings_for(base: MethodSettings, method: str, length: int, budget: Budget 
         dense = PAPER_DENSE.get(method) if protocol == "paper" else None
         s.dense_layers = list(dense) if dense else None
     s.free_generated = protocol != "legacy"
-    s.validate()
+    if budget is not None and budget.kind != "knobs":  # the group set the budget, not --budget
+        s.validate("its {n} tokens", "raise that budget in --budgets (or --budget-frac)")
+    else:
+        s.validate()
     return s

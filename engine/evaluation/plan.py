@@ -15,7 +15,6 @@ Conventions (written down here because they change the numbers):
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 
 from tailorkv.engine.errors import InputError
@@ -162,12 +161,8 @@ class EvalPlan:
                 try:
                     self.settings(m, n, b)
                 except InputError as e:
-                    why = str(e)
-                    if b is not None and self.budget(b).kind != "knobs":  # the group set the budget, not --budget
-                        why = re.sub(r"--budget (\d+)", r"its \1 tokens", why).replace(
-                            "raise --budget", "raise that budget in --budgets (or --budget-frac)")
                     raise InputError(f"{m} at length {length_label(n)}{'' if b is None else f' budget {b}'}: "
-                                     f"{why}") from None
+                                     f"{e}") from None
 
     def max_new(self, task: str) -> int:
         return self.max_new_tokens or MAX_NEW_TOKENS.get(task, DEFAULT_MAX_NEW)
