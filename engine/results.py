@@ -107,14 +107,14 @@ def refuse_existing(path: str, overwrite: bool, also: str = "") -> None:
 
 def numbered_dir(model_name: str, root: str, marker: str) -> str:
     """<root>/<date>-<model>/, with -2, -3, ... when that folder already holds a results file (marker), is held by
-    a running command (claimed_dir's lock) or is not a folder."""
+    a running command (its lock file locked) or is not a folder."""
     name = os.path.normpath(model_name)
     if name.split(os.sep)[-1] in (".", ".."):  # the folder the user stands in (or above): its own name
         name = os.path.abspath(name)
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(name)).strip("-.") or "model"
     base = os.path.join(root, f"{datetime.date.today().isoformat()}-{stem}")
     out, n = base, 1
-    while (os.path.exists(os.path.join(out, marker)) or os.path.exists(_lock(out, marker))
+    while (os.path.exists(os.path.join(out, marker)) or _held(_lock(out, marker))
            or (os.path.exists(out) and not os.path.isdir(out))):
         n += 1
         out = f"{base}-{n}"
@@ -133,13 +133,21 @@ def _lock(folder: str, marker: str) -> str:
     return os.path.join(folder, f".{marker}.lock")
 
 
-def _take_lock(lock: str) -> bool:
-    """Makes the lock file, exclusively; False when it exists already (claimed_dir's numbered folders)."""
+def _held(lock: str) -> bool:
+    """Whether a running command holds the lock file (one left by a killed command is not held)."""
+    import fcntl
     try:
-        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
         return False
-    return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _hold_lock(lock: str) -> int | None:
@@ -163,6 +171,21 @@ def _hold_lock(lock: str) -> int | None:
 
 
 @contextlib.contextmanager
+def _holding(out: str, marker: str, fd: int, made: bool):
+    """Yields the held folder; then lets the lock go, and the folder too if this command made it and wrote nothing
+    there."""
+    try:
+        yield out
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(_lock(out, marker))
+        os.close(fd)
+        if made:
+            with contextlib.suppress(OSError):  # only an empty folder goes
+                os.rmdir(out)
+
+
+@contextlib.contextmanager
 def held_dir(out: str, marker: str):
     """--out as given (checked by the caller), made now, before any work, and held for this command by a lock
     file: a second command writing the same results file there is refused instead of overwriting the first's.
@@ -177,41 +200,31 @@ def held_dir(out: str, marker: str):
     if fd is None:
         raise InputError(f"another tailorkv command is writing {marker} in {out} (it holds {lock}): wait for it to "
                          f"end, or choose another --out")
-    try:
+    with _holding(out, marker, fd, made):
         yield out
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock)
-        os.close(fd)
-        if made:
-            with contextlib.suppress(OSError):  # only an empty folder goes
-                os.rmdir(out)
 
 
 @contextlib.contextmanager
 def claimed_dir(model_name: str, root: str, marker: str):
-    """numbered_dir's folder, made now and held for this command: a lock file, made exclusively, keeps a command
-    started beside it from choosing the same folder. The lock goes when the command ends, and so does the folder if
-    the command made it and wrote nothing there. A folder that cannot be made -> InputError, before any work."""
+    """numbered_dir's folder, made now and held for this command as held_dir holds --out: a command started beside
+    it takes the next number. A folder that cannot be made -> InputError, before any work."""
     while True:
         out = numbered_dir(model_name, root, marker)
         made = not os.path.exists(out)
         try:
             os.makedirs(out, exist_ok=True)
-            if _take_lock(_lock(out, marker)):
-                break
-            continue  # another command took it a moment ago: the next number
+            fd = _hold_lock(_lock(out, marker))
         except OSError as e:
             raise InputError(f"cannot make the results folder {out} ({e.strerror or e}): run from a folder where "
                              f"you can write, or pass --out DIR") from None
-    try:
+        if fd is not None and not os.path.exists(os.path.join(out, marker)):
+            break
+        if fd is not None:  # a command beside it finished there a moment ago: the next number
+            with contextlib.suppress(OSError):
+                os.unlink(_lock(out, marker))
+            os.close(fd)
+    with _holding(out, marker, fd, made):
         yield out
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(_lock(out, marker))
-        if made:
-            with contextlib.suppress(OSError):  # only an empty folder goes
-                os.rmdir(out)
 
 
 def command_line() -> str:

@@ -69,6 +69,20 @@ def test_claimed_dir_gives_commands_started_together_their_own_folders(tmp_path)
         assert c == a + "-2"
 
 
+def test_claimed_dir_takes_over_a_lock_a_killed_command_left(tmp_path):
+    """The lock is an flock, as --out's: a lock file nobody holds (its command was killed) does not cost a number."""
+    root = str(tmp_path / "results")
+    with claimed_dir("m", root, "bench.json") as a:
+        pass
+    os.makedirs(a)
+    open(os.path.join(a, ".bench.json.lock"), "w").close()
+    with claimed_dir("m", root, "bench.json") as b:
+        assert b == a
+        with claimed_dir("m", root, "bench.json") as c:  # while b holds it: the next number
+            assert c == a + "-2"
+    assert os.listdir(root) == [os.path.basename(a)] and os.listdir(a) == []
+
+
 def test_claimed_dir_keeps_a_folder_it_did_not_make_and_names_one_it_cannot(tmp_path):
     root = tmp_path / "results"
     with claimed_dir("m", str(root), "eval.json") as a:
