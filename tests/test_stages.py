@@ -28,6 +28,9 @@ def test_summary_of_two_streams():
     assert s["stage_ms"]["pcie gather"] == 0.1 and s["stage_ms"]["pcie copy d2h"] == 0.02
     busy = s["stream_busy_ms"]  # per step: stream 7's kernels 150 + 10 us, stream 13's gather 200 + copy 40 us
     assert set(busy) == {"7", "13"} and busy["7"] == pytest.approx(0.08) and busy["13"] == pytest.approx(0.12)
+    split = s["stage_stream_ms"]  # stream 7 runs the most kernels: the compute stream (13 is the busier)
+    assert split["pcie gather"] == {"compute": 0.0, "side": 0.1} and split["pcie copy d2h"]["side"] == 0.02
+    assert split["attention"] == {"compute": 0.025, "side": 0.0}
     assert abs(s["other_streams_overlapped_ms"] - 0.1 / 2) < 1e-9
     assert abs(s["concurrent_ms"] - (400 - 300) / 1e3 / 2) < 1e-9  # 400 us of intervals in a 300 us union
 
@@ -58,3 +61,21 @@ def test_prefill_stage_table_shows_tflops():
     con.print(prefill_stage_table(cell))
     text = " ".join(con.export_text().split())   # the title wraps at the table's width
     assert "692" in text and "650" in text and "11.20 s" in text   # 4.5e15 / 6.5 s, 1.95e15 / 3.0 s
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_decode_stage_table_splits_stages_by_stream(split):
+    """Each stage's time on the compute stream and on the side streams, where a side stream ran anything (and a
+    bench.json written before the split still prints)."""
+    from rich.console import Console
+    from tailorkv.engine.bench.command import stage_table
+    st = {"kernels_per_step": 1031, "gpu_busy_ms": 16.36, "concurrent_ms": 11.33, "cuda_graph": True,
+          "stage_ms": {"pcie gather": 10.452, "attention": 6.571}}
+    if split:
+        st["stage_stream_ms"] = {"pcie gather": {"compute": 1.25, "side": 9.202},
+                                 "attention": {"compute": 6.571, "side": 0.0}}
+    con = Console(width=300, record=True)
+    con.print(stage_table({"method": "tailorkv", "ctx": 131072, "decode_ms": {"median": 16.38}, "stages": st}))
+    text = con.export_text()
+    assert ("side streams" in text and "9.202" in text and "1.250" in text) == split
+    assert "10.452" in text and "16.38 ms/step" in " ".join(text.split())

@@ -171,8 +171,13 @@ def stage_table(cell: dict):
               title_justify="left", header_style="bold")
     t.add_column("stage")
     t.add_column("ms/step", justify="right")
+    split = st.get("stage_stream_ms")  # absent in bench.json files written before it
+    side = split and any(v["side"] for v in split.values())
+    if side:
+        t.add_column("compute stream", justify="right")
+        t.add_column("side streams", justify="right")
     for name, ms in st["stage_ms"].items():
-        t.add_row(name, f"{ms:.3f}")
+        t.add_row(name, f"{ms:.3f}", *((f"{split[name]['compute']:.3f}", f"{split[name]['side']:.3f}") if side else ()))
     return t
 
 

@@ -65,6 +65,7 @@ def summarize(trace: dict, steps: int, wall_ms: float) -> dict:
     """trace: a chrome trace (torch.profiler's export) covering `steps` decode steps of wall_ms each."""
     stages: dict[str, float] = {}
     streams: dict[int, list[tuple[float, float]]] = {}
+    stage_streams: dict[str, dict[int, float]] = {}
     kernels = 0
     for e in gpu_events(trace):
         name = e["name"]
@@ -74,15 +75,22 @@ def summarize(trace: dict, steps: int, wall_ms: float) -> dict:
         else:
             stage = next((v for k, v in COPIES.items() if k in name.lower()), "copy")
         stages[stage] = stages.get(stage, 0.0) + e["dur"] / 1e3
+        by = stage_streams.setdefault(stage, {})
+        by[e["stream"]] = by.get(e["stream"], 0.0) + e["dur"] / 1e3
         streams.setdefault(e["stream"], []).append((e["ts"], e["ts"] + e["dur"]))
     by_busy = sorted(streams, key=lambda s: -_union(streams[s]))
-    compute = by_busy[0] if by_busy else None
-    others = [iv for s in by_busy[1:] for iv in streams[s]]
-    busy = _union([iv for ivs in streams.values() for iv in ivs]) / 1e3
+    # the compute stream runs most of the kernels (a side stream may be the busier one: a step bound by PCIe)
+    compute = max(streams, key=lambda s: len(streams[s])) if streams else None
+    others = [iv for s in streams if s != compute for iv in streams[s]]
     n = max(steps, 1)
+    # each stage's time on the compute stream and on the others (copy, select: what can overlap it)
+    split = {k: {"compute": v.get(compute, 0.0) / n, "side": sum(t for s, t in v.items() if s != compute) / n}
+             for k, v in stage_streams.items()}
+    busy = _union([iv for ivs in streams.values() for iv in ivs]) / 1e3
     return {"steps": steps, "kernels_per_step": kernels / n, "gpu_busy_ms": busy / n, "wall_ms": wall_ms,
             "busy_fraction": busy / n / wall_ms if wall_ms else None,
             "stage_ms": {k: v / n for k, v in sorted(stages.items(), key=lambda kv: -kv[1])},
+            "stage_stream_ms": {k: split[k] for k, _ in sorted(stages.items(), key=lambda kv: -kv[1])},
             "stream_busy_ms": {str(s): _union(streams[s]) / 1e3 / n for s in by_busy},
             "other_streams_overlapped_ms": (_overlap(streams[compute], others) / 1e3 / n) if others else 0.0,
             "concurrent_ms": (sum(b - a for ivs in streams.values() for a, b in ivs) / 1e3 / n) - busy / n}
