@@ -22,6 +22,7 @@ _APPROX = r"""
 typedef {qt} qtype;
 typedef {kt} ktype;
 #define VEC {vec}
+#define LOAD {load}
 #define G {g}
 #define LSE {lse}
 #define NEG_INF __int_as_float(0xff800000u)
@@ -81,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(128) approx_scores_kernel(
             for (int g = 0; g < NG; ++g) acc[i][g] = 0.f;
         #pragma unroll 4
         for (int j = 0; j < r; ++j) {{
-            const uint4 u = __ldg(reinterpret_cast<const uint4*>(base + j * ksr));
+            const LOAD u = __ldg(reinterpret_cast<const LOAD*>(base + j * ksr));
             const ktype* x = reinterpret_cast<const ktype*>(&u);
             #pragma unroll
             for (int i = 0; i < VEC; ++i) {{
@@ -109,8 +110,12 @@ extern "C" __global__ void __launch_bounds__(128) approx_scores_kernel(
 }}
 """
 
+LOAD_BYTES = {1: 16, 2: 16, 4: 16}  # by element size: the bytes of a row each thread loads at once (A/B knob)
+
+
 def approx_source(qdtype: torch.dtype, kdtype: torch.dtype, vec: int, g: int, lse: bool) -> str:
-    return _APPROX.format(qt=C_TYPES[str(qdtype)], kt=K_TYPES[str(kdtype)], vec=vec, g=g, lse=int(lse))
+    load = {16: "uint4", 8: "uint2", 4: "unsigned int"}[max(4, vec * torch.empty(0, dtype=kdtype).element_size())]
+    return _APPROX.format(qt=C_TYPES[str(qdtype)], kt=K_TYPES[str(kdtype)], vec=vec, g=g, lse=int(lse), load=load)
 
 
 def load_approx_scores(reference):
@@ -139,8 +144,9 @@ def load_approx_scores(reference):
             out = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
         if out.numel() == 0:
             return out
-        vec = 16 // kt_rows.element_size()
-        if not (aligned(kt_rows, 16) and aligned(out, 16)):
+        load = LOAD_BYTES[kt_rows.element_size()]
+        vec = load // kt_rows.element_size()
+        if not (aligned(kt_rows, load) and aligned(out, 16)):
             vec = 1
         key = (q.dtype, kt_rows.dtype, vec, Hq // Hkv, rule == "lse")
         if key not in kernels:
