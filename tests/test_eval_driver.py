@@ -386,6 +386,24 @@ def test_resume_finishes_an_interrupted_shard(tiny_dir, tmp_path):
     assert load(path) == res
 
 
+def test_resume_takes_a_file_written_before_a_settings_field_existed():
+    """A run started before an upgrade added a MethodSettings field (here kt_bits) resumes after it when the field
+    is at its default; set to anything else it is another run."""
+    from tailorkv.engine.evaluation.merge import check_same_run
+    plan = P.EvalPlan(lengths=[512], methods=["full", "tailorkv"], tasks=["passkey"], samples=1)
+    fresh = S.results(command="", args={}, env={}, model={}, plan=plan, shard=None, records=[])
+
+    def without(d, key):
+        return {k: without(v, key) for k, v in d.items() if k != key} if isinstance(d, dict) else d
+    old = without(json.loads(json.dumps(fresh, default=str)), "kt_bits")
+    assert "kt_bits" in json.dumps(fresh["settings"]) and "kt_bits" not in json.dumps(old)
+    check_same_run(old, fresh, "eval.json")
+    plan.base = MethodSettings(kt_bits=8)
+    changed = S.results(command="", args={}, env={}, model={}, plan=plan, shard=None, records=[])
+    with pytest.raises(ValueError, match="holds another run"):
+        check_same_run(old, changed, "eval.json")
+
+
 def test_ctrl_c_saves_the_finished_items(tiny_dir, tmp_path, monkeypatch):
     out = str(tmp_path / "interrupted")
     args = ["eval", "--model", tiny_dir, *COMMON, "--out", out]

@@ -1,6 +1,7 @@
 """Putting shard files back together (`tailorkv eval-merge`) and picking up an interrupted run (`--resume`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -8,6 +9,7 @@ from tailorkv.engine.errors import InputError
 from tailorkv.engine import ui
 from tailorkv.engine.evaluation.plan import EvalPlan
 from tailorkv.engine.evaluation.summary import results
+from tailorkv.engine.settings import MethodSettings
 
 SAME_KEYS = ("schema", "kind", "eval", "settings", "layer_policies", "suites_hash")
 
@@ -106,7 +108,7 @@ PLAN_KEYS = ("schema", "kind", "eval", "settings", "shard")  # known before the 
 def check_same_run(prev: dict, fresh: dict, name: str, keys=PLAN_KEYS) -> None:
     """--resume: an InputError when `prev` (a results file) and `fresh` (results of the run about to start)
     differ in `keys`: PLAN_KEYS alone before the model loads, SAME_KEYS and the shard after."""
-    fresh = json.loads(json.dumps(fresh, default=str))  # tuples -> lists, as read back from a file
+    fresh = _as_written_then(prev, json.loads(json.dumps(fresh, default=str)))  # tuples -> lists, as read back
     for key in keys:
         if prev.get(key) != fresh.get(key):
             raise InputError(f"--resume: {name} holds another run (its '{key}' differs): use the command that "
@@ -160,3 +162,17 @@ def malformed(res: dict) -> str | None:
                 return f"record {n}'s '{key}' is {json.dumps(v)[:40]}, not a number"
     return None
 
+
+
+def _as_written_then(prev, fresh):
+    """fresh without the MethodSettings fields that prev, written before they existed, lacks and that fresh holds at
+    their default (a run started before an upgrade resumes after it when it changes nothing)."""
+    if not (isinstance(prev, dict) and isinstance(fresh, dict)):
+        return fresh
+    return {k: _as_written_then(prev[k], v) if k in prev else v for k, v in fresh.items()
+            if k in prev or _SETTINGS_DEFAULTS.get(k, _NONE) != v}
+
+
+_NONE = object()
+_SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MethodSettings)
+                      if f.default is not dataclasses.MISSING}
