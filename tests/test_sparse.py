@@ -212,6 +212,20 @@ def test_8bit_kt_store_saturates_keys_past_its_scale_and_reset_sets_it_again(gen
     assert not held.isnan().any() and held.abs().amax() == 448
 
 
+def test_8bit_kt_store_keeps_fp16_scales_finite(gen):
+    """A channel of keys all zero (max|K| 0) or tiny, in fp16: the scales stay finite and no stored key is NaN."""
+    spec = LayerSpec(1, 4, 2, 16, 256, 1, torch.float16, torch.device("cpu"))
+    sp = One(SparseOffloadCache(spec, settings(budget=4 + 8 + 16, kt_bits=8)))
+    q, k, v = (t.half() for t in qkv(gen, 1, 4, 2, 60, 16))
+    k[..., 0] = 0
+    k[..., 1] *= 1e-6
+    sp.attend(q, k, v, 0)
+    kt = sp.policy.kt
+    assert torch.isfinite(kt.scale).all() and torch.isfinite(kt.q_scale).all() and (kt.q_scale > 0).all()
+    mid = sp.regions()["middle"]
+    assert not kt.host[:, :, :, mid.start:mid.stop].float().isnan().any()
+
+
 # --- (c) channel selection --------------------------------------------------------------------------------
 def test_channel_selection_hand_made():
     # one KV head, a group of two query heads: the mean over the group cancels channel 3 (largest max|K|)

@@ -53,7 +53,9 @@ class KtStore:
             host_copy(host[:, :, :, pos:pos + m], kt)
 
     def _set_scale(self, kmax: torch.Tensor) -> None:
-        exp = torch.floor(torch.log2(TARGET / kmax.float().clamp_min(2.0 ** -60))).clamp_(-60, 60)
+        # 2^-14 .. 2^14: the scale and its inverse stay normal numbers in fp16 (a channel of keys below 2e-3 keeps a
+        # smaller range, keys above 5e5 saturate)
+        exp = torch.floor(torch.log2(TARGET / kmax.float().clamp_min(2.0 ** -30))).clamp_(-14, 14)
         self.scale.copy_(torch.exp2(exp)[..., None])
         self.q_scale.copy_(torch.exp2(-exp).repeat_interleave(self.q_scale.shape[1] // exp.shape[1], 1)[:, :, None])
         self.scaled = True
