@@ -21,7 +21,7 @@ TARGET = 32.0  # the first write's max|K| per channel maps here (14x headroom; b
 class KtStore:
     def __init__(self, spec, bits: int):
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
-        self.bits, self.key_dtype = bits, spec.dtype
+        self.bits = bits
         self.dtype = spec.dtype if bits == 16 else E4M3
         self.host = host_empty((B, H, D, N), self.dtype, spec.device)
         # keys x scale are stored; the query meets them times q_scale = 1 / scale (per query head: one op a step)
