@@ -91,6 +91,14 @@ def method_options(fn):
     return fn
 
 
+NUMBER_CHOICES = ("bits", "sketch_bits", "kt_bits")  # click.Choice options of numbers: click gives their strings
+
+
+def numbers_typed(params: dict) -> dict:
+    """Click's parameters with NUMBER_CHOICES as numbers (a results file's record of the command's arguments)."""
+    return {k: int(v) if k in NUMBER_CHOICES and v is not None else v for k, v in params.items()}
+
+
 KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "layer_profile", "select", "sketch_bits",
          "kt_bits", "predict_ahead", "predict_weights", "select_rule", "channel_rule", "own_query_below")
 
@@ -139,8 +147,8 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
     s = MethodSettings(method=method, bits=None if bits is None else int(bits), budget=budget, sink=sink,
                        recent=recent, channels=channels, quant_layers=ql, select=select,
                        layer_profile=os.path.abspath(layer_profile) if layer_profile else None,  # as --resume compares
-                       sketch_bits=int(sketch_bits), kt_bits=int(kt_bits), predict_ahead=predict_ahead, predict_weights=predict_weights,
-                       **rules)
+                       sketch_bits=int(sketch_bits), kt_bits=int(kt_bits), predict_ahead=predict_ahead,
+                       predict_weights=predict_weights, **rules)
     try:
         s.validate()
     except InputError as e:

@@ -170,6 +170,12 @@ def _hold_lock(lock: str) -> int | None:
         os.close(fd)
 
 
+def _let_go(out: str, marker: str, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(_lock(out, marker))
+    os.close(fd)
+
+
 @contextlib.contextmanager
 def _holding(out: str, marker: str, fd: int, made: bool):
     """Yields the held folder; then lets the lock go, and the folder too if this command made it and wrote nothing
@@ -177,9 +183,7 @@ def _holding(out: str, marker: str, fd: int, made: bool):
     try:
         yield out
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(_lock(out, marker))
-        os.close(fd)
+        _let_go(out, marker, fd)
         if made:
             with contextlib.suppress(OSError):  # only an empty folder goes
                 os.rmdir(out)
@@ -220,9 +224,7 @@ def claimed_dir(model_name: str, root: str, marker: str):
         if fd is not None and not os.path.exists(os.path.join(out, marker)):
             break
         if fd is not None:  # a command beside it finished there a moment ago: the next number
-            with contextlib.suppress(OSError):
-                os.unlink(_lock(out, marker))
-            os.close(fd)
+            _let_go(out, marker, fd)
     with _holding(out, marker, fd, made):
         yield out
 

@@ -1,7 +1,7 @@
 """CUDA kernel for the token selection of sparse layers (ops/sparse_select.py): approx_scores.
 
-approx_scores: one thread per 16 (e4m3), 8 (bf16/fp16) or 4 (fp32) consecutive tokens of one (batch, KV head), the r
-    summed query channels in shared memory, 16-byte loads of each K^T row: a stream at memory speed.
+approx_scores: one thread per 8 (e4m3, bf16/fp16) or 4 (fp32) consecutive tokens of one (batch, KV head), the r
+    summed query channels in shared memory, LOAD_BYTES-wide loads of each K^T row: a stream at memory speed.
     With rule "lse" each thread keeps the G heads' logits apart and writes their logsumexp (scaled); tokens
     at or past `end - offset` score -inf. topk_tokens' kernel is in ops/topk_cuda.py.
 """
@@ -116,7 +116,7 @@ LOAD_BYTES = {1: 8, 2: 16, 4: 16}
 
 
 def approx_source(qdtype: torch.dtype, kdtype: torch.dtype, vec: int, g: int, lse: bool) -> str:
-    load = {16: "uint4", 8: "uint2", 4: "unsigned int"}[max(4, vec * torch.empty(0, dtype=kdtype).element_size())]
+    load = {16: "uint4", 8: "uint2", 4: "unsigned int"}[max(4, vec * kdtype.itemsize)]
     return _APPROX.format(qt=C_TYPES[str(qdtype)], kt=K_TYPES[str(kdtype)], vec=vec, g=g, lse=int(lse), load=load)
 
 

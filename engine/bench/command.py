@@ -177,7 +177,8 @@ def stage_table(cell: dict):
         t.add_column("compute stream", justify="right")
         t.add_column("side streams", justify="right")
     for name, ms in st["stage_ms"].items():
-        t.add_row(name, f"{ms:.3f}", *((f"{split[name]['compute']:.3f}", f"{split[name]['side']:.3f}") if side else ()))
+        by_stream = (f"{split[name]['compute']:.3f}", f"{split[name]['side']:.3f}") if side else ()
+        t.add_row(name, f"{ms:.3f}", *by_stream)
     return t
 
 
@@ -300,7 +301,7 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
     from rich.live import Live
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tailorkv.engine import results as R, ui
+    from tailorkv.engine import options, results as R, ui
     from tailorkv.engine.bench import driver as B
     from tailorkv.engine.bench.plot import plot_all
 
@@ -316,8 +317,7 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
     json_path = os.path.join(out, "bench.json")
     env = R.environment(dev)
     command = R.command_line()
-    args = {k: int(v) if k in ("bits", "sketch_bits", "kt_bits") and v is not None else v  # click.Choice's strings
-            for k, v in params.items()}
+    args = options.numbers_typed(params)
     cells: list[dict] = []
 
     def save():

@@ -87,10 +87,11 @@ def summarize(trace: dict, steps: int, wall_ms: float) -> dict:
     split = {k: {"compute": v.get(compute, 0.0) / n, "side": sum(t for s, t in v.items() if s != compute) / n}
              for k, v in stage_streams.items()}
     busy = _union([iv for ivs in streams.values() for iv in ivs]) / 1e3
+    order = sorted(stages, key=lambda k: -stages[k])
     return {"steps": steps, "kernels_per_step": kernels / n, "gpu_busy_ms": busy / n, "wall_ms": wall_ms,
             "busy_fraction": busy / n / wall_ms if wall_ms else None,
-            "stage_ms": {k: v / n for k, v in sorted(stages.items(), key=lambda kv: -kv[1])},
-            "stage_stream_ms": {k: split[k] for k, _ in sorted(stages.items(), key=lambda kv: -kv[1])},
+            "stage_ms": {k: stages[k] / n for k in order},
+            "stage_stream_ms": {k: split[k] for k in order},
             "stream_busy_ms": {str(s): _union(streams[s]) / 1e3 / n for s in by_busy},
             "other_streams_overlapped_ms": (_overlap(streams[compute], others) / 1e3 / n) if others else 0.0,
             "concurrent_ms": (sum(b - a for ivs in streams.values() for a, b in ivs) / 1e3 / n) - busy / n}

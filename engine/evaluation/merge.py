@@ -163,7 +163,6 @@ def malformed(res: dict) -> str | None:
     return None
 
 
-
 def _as_written_then(prev, fresh):
     """fresh without the MethodSettings fields that prev, written before they existed, lacks and that fresh holds at
     their default (a run started before an upgrade resumes after it when it changes nothing)."""
