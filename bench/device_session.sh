@@ -15,11 +15,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 export TAILORKV_COMMIT=${TAILORKV_COMMIT:-unknown}
-# The SmolLM2 GGUF (98 MB) travels in three calls (a call carries 64 MiB with the tree): .gguf1/part00,
-# .gguf2/part01, .gguf3/part02, each copied to /tmp/gguf and joined when the last arrives.
+# The SmolLM2 GGUF (98 MB) travels in parts, one per call (a call carries 64 MiB with the tree): .ggufK/partNN
+# beside .ggufK/count (the number of parts), each copied to /tmp/gguf and joined when the last has arrived
+# (bench/split_gguf.sh makes them).
 mkdir -p /tmp/gguf
-for p in .gguf1/part00 .gguf2/part01 .gguf3/part02; do [ -f "$p" ] && cp "$p" /tmp/gguf/; done
-[ -f .gguf3/part02 ] && cat /tmp/gguf/part00 /tmp/gguf/part01 /tmp/gguf/part02 >/tmp/gguf/smollm2.gguf
+for p in .gguf*/part*; do [ -f "$p" ] && cp "$p" /tmp/gguf/ && cp "$(dirname "$p")/count" /tmp/gguf/count; done
+if [ -f /tmp/gguf/count ] && [ ! -f /tmp/gguf/smollm2.gguf ] && \
+   [ "$(ls /tmp/gguf/part* | wc -l)" -eq "$(cat /tmp/gguf/count)" ]; then
+    cat /tmp/gguf/part* >/tmp/gguf/smollm2.gguf
+fi
 [ -f /tmp/gguf/smollm2.gguf ] && export TAILORKV_SMOLLM2_GGUF=/tmp/gguf/smollm2.gguf && md5sum /tmp/gguf/smollm2.gguf
 summary=()
 step() {  # name, limit in s, command...

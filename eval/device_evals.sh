@@ -3,7 +3,8 @@
 # /tmp/ev (kept between calls while the machine stays warm; every shard runs with --resume, so the same call
 # again finishes what is left), then one tarball of the finished folders in $OUT.
 #   EVALS="pct3 p1024 curve" SHARDS=28 bash eval/device_evals.sh
-# The SmolLM2 GGUF travels in two calls (see bench/device_session.sh): TAILORKV_SMOLLM2_GGUF must name it.
+# The SmolLM2 GGUF travels in parts, one per call (bench/split_gguf.sh, bench/device_session.sh):
+# TAILORKV_SMOLLM2_GGUF must name it. kt16 / kt8: full and tailorkv with the K^T host store at 16 / 8 bits.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT" /tmp/ev
@@ -21,6 +22,8 @@ for e in ${EVALS:-pct3 p1024 curve}; do
         paper) TIME_LIMIT=${PAPER_LIMIT:-150} MPS=1 METHODS=full,tailorkv bash eval/run_sharded.sh /tmp/ev/paper "$n" \
                   2k,4k,8k --samples 10 --budgets 3% --split paper --bits 2 --fidelity-tokens 64 \
                   --select-rule paper ;;
+        kt16|kt8) TIME_LIMIT=${KT_LIMIT:-200} MPS=1 METHODS=full,tailorkv bash eval/run_sharded.sh "/tmp/ev/$e" "$n" \
+                  8k --samples 20 --budgets 1024 "${common[@]}" --fidelity-tokens 128 --kt-bits "${e#kt}" ;;
         *) echo "unknown eval $e"; continue ;;
     esac > "/tmp/ev/$e.log" 2>&1
     echo "== $e: $((SECONDS - t0)) s"

@@ -110,9 +110,14 @@ def check_same_run(prev: dict, fresh: dict, name: str, keys=PLAN_KEYS) -> None:
     differ in `keys`: PLAN_KEYS alone before the model loads, SAME_KEYS and the shard after."""
     fresh = _as_written_then(prev, json.loads(json.dumps(fresh, default=str)))  # tuples -> lists, as read back
     for key in keys:
-        if prev.get(key) != fresh.get(key):
-            raise InputError(f"--resume: {name} holds another run (its '{key}' differs): use the command that "
-                             f"wrote it, or another --out")
+        if prev.get(key) == fresh.get(key):
+            continue
+        if key == "suites_hash":
+            raise InputError(f"--resume: {name} ran other prompts (another tokenizer, or a version of tailorkv that "
+                             f"fitted them to the length otherwise): start it over with --overwrite, or use "
+                             f"another --out")
+        raise InputError(f"--resume: {name} holds another run (its '{key}' differs): use the command that "
+                         f"wrote it, or another --out")
 
 
 RESULT_KEYS = ("eval", "records", "fidelity", "env", "command", "args", "model")

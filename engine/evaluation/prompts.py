@@ -6,8 +6,9 @@ and the samples of every length fitted so that template + prompt + answer fit in
 - It is rendered with the model's chat template, then the sample's answer_prefix is appended to the assistant
   turn, so the model continues e.g. "The pass key is ...". BOS is prepended only when the tokenizer wants one
   and the template does not write it (as engine.chat.ChatSession does).
-- Each task's text is fitted to L - max_new - overhead, where overhead (template, the question stated first,
-  the answer prefix) is measured on a probe sample of that task at that length.
+- Each task's text is fitted to at most L - max_new - overhead, where overhead (template, the question stated
+  first, the answer prefix) is measured on a probe sample of that task at that length; a sample whose own
+  overhead is larger (a longer key or question) is fitted again to a target shorter by the excess.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import hashlib
 from typing import Iterable
 
 from tailorkv.engine.errors import InputError
-from tailorkv.engine.evaluation.tasks import Sample, make_suite
+from tailorkv.engine.evaluation.tasks import Sample, make_sample, make_suite
 from tailorkv.models.tokenizer import bos_prefix
 
 
@@ -44,8 +45,9 @@ def prompt_ids(tokenizer, sample: Sample, question: str = "after") -> list[int]:
 
 def build_suites(tokenizer, plan, lengths: Iterable[int] | None = None) -> dict[int, list[Sample]]:
     """The samples of each length, identical for every method: per task, the text is fitted so that the
-    rendered prompt plus the task's max new tokens fit in the length (overhead measured on a probe sample).
-    The suite is ordered like make_suite's: tasks in plan order, samples_per_task each."""
+    rendered prompt plus the task's max new tokens fit in the length (overhead measured on a probe sample, then
+    each sample refitted while it overruns). The suite is ordered like make_suite's: tasks in plan order,
+    samples_per_task each."""
     out: dict[int, list[Sample]] = {}
     if not plan.samples:
         return out
@@ -61,16 +63,26 @@ def build_suites(tokenizer, plan, lengths: Iterable[int] | None = None) -> dict[
             except InputError as e:
                 raise InputError(f"--lengths {n} is too short: {e}") from None
             overhead = len(prompt_ids(tokenizer, probe, plan.question)) - probe.n_tokens
-            target = room - overhead
-            if target < 16:
+            if room - overhead < 16:
                 raise InputError(f"--lengths {n} leaves no room for {task}: the prompt template and "
                                  f"{plan.max_new(task)} new tokens need more; use a longer length")
-            try:
-                suite += make_suite(tokenizer, target, plan.samples, plan.seed, tasks=[task])
-            except InputError as e:
-                raise InputError(f"--lengths {n} is too short: {e}") from None
+            suite += [_fitted(tokenizer, plan, task, i, room - overhead, room) for i in range(plan.samples)]
         out[n] = suite
     return out
+
+
+def _fitted(tokenizer, plan, task: str, index: int, target: int, room: int) -> Sample:
+    """Sample `index` of `task` whose rendered prompt takes at most `room` tokens."""
+    for _ in range(8):
+        try:
+            s = make_sample(tokenizer, target, task, index, plan.samples, plan.seed)
+        except InputError as e:
+            raise InputError(f"--lengths {room + plan.max_new(task)} is too short: {e}") from None
+        excess = len(prompt_ids(tokenizer, s, plan.question)) - room
+        if excess <= 0:
+            return s
+        target -= excess
+    raise AssertionError(f"{task} sample {index}: its prompt still overruns {room} tokens after 8 refits")
 
 
 def suite_hash(suites: dict[int, list[Sample]], question: str = "after") -> str:

@@ -3,8 +3,9 @@
 Every task is a function ``(tokenizer, target_tokens, rng, **options) -> Sample``. The tokenizer is duck-typed
 (``encode(text) -> list[int]``, ``decode(ids) -> str``); all randomness comes from ``rng``, so a seed fixes the
 sample. The prompt is ``context + question`` (the question starts with a blank line); its token count under the
-tokenizer is fitted to within 2% of ``target_tokens`` by searching on the amount of filler (words of haystack,
-list items, coded words), then preferring a haystack that ends on a whole sentence when that stays within 1%.
+tokenizer is fitted to at most ``target_tokens`` and within 2% of it by searching on the amount of filler (words
+of haystack, list items, coded words), then preferring a haystack that ends on a whole sentence when that stays
+within 1% below the target.
 
 Needles are inserted between filler sentences: a needle at depth d (0..1) goes to the sentence boundary whose
 token offset into the haystack is closest to d times the haystack's token length (per-sentence token counts
@@ -28,7 +29,7 @@ from typing import Callable
 from tailorkv.engine.errors import InputError
 from .haystack import Filler, WordPool, filler_units
 
-TOLERANCE = 0.02  # |n_tokens - target| <= TOLERANCE * target
+TOLERANCE = 0.02  # target - TOLERANCE * target <= n_tokens <= target
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,11 @@ def _sample(task, tokenizer, target, context, question, answers, **extra) -> Sam
 
 # ------------------------------------------------------------------------------------------------ length fitting
 def _fit(measure: Callable[[int], int], target: int, task: str) -> int:
-    """The filler amount n whose prompt length measure(n) is closest to target (measure grows with n)."""
+    """The largest filler amount n whose prompt length measure(n) stays within target (measure grows with n)."""
     t0 = measure(0)
-    if t0 >= target:
-        if t0 > target * (1 + TOLERANCE):
-            raise InputError(f"{task}: the prompt needs {t0} tokens without any filler, more than the {target} it "
-                             f"may have; use a longer length")
-        return 0
+    if t0 > target:
+        raise InputError(f"{task}: the prompt needs {t0} tokens without any filler, more than the {target} it "
+                         f"may have; use a longer length")
     lo, hi = 0, 64
     while measure(hi) <= target:  # grow by linear extrapolation until the target is bracketed
         slope = max((measure(hi) - measure(lo)) / (hi - lo), 1e-3)
@@ -84,7 +83,7 @@ def _fit(measure: Callable[[int], int], target: int, task: str) -> int:
         else:
             hi = guess
         bisect_next = hi - lo > width / 2
-    return min((lo, hi), key=lambda n: (abs(measure(n) - target), n))
+    return lo
 
 
 def _measurer(tokenizer, render: Callable[[int], str]) -> Callable[[int], int]:
@@ -141,7 +140,7 @@ def _haystack_sample(task, tokenizer, target, rng, *, haystack, header, items, q
     measure = _measurer(tokenizer, lambda n: context(n) + question)
     n = _fit(measure, target, task)
     for b in sorted(hay.filler.boundaries_around(n), key=lambda b: abs(b - n)):  # end on a whole sentence
-        if abs(measure(b) - target) <= target * TOLERANCE / 2:
+        if 0 <= target - measure(b) <= target * TOLERANCE / 2:
             n = b
             break
     return _sample(task, tokenizer, target, context(n), question, answers, depth=depth,
@@ -338,23 +337,22 @@ TASKS: dict[str, Callable[..., Sample]] = {
 }
 
 
+def make_sample(tokenizer, length: int, name: str, index: int, samples_per_task: int, seed: int) -> Sample:
+    """Sample `index` of task `name` in a suite of samples_per_task per task: its own rng seeded from (seed, task,
+    index), so a task's samples don't change when other tasks are added; needle tasks sweep depth evenly over 0..1."""
+    rng = random.Random(f"tailorkv-eval:{seed}:{name}:{index}")
+    options = {}
+    if TASKS[name].uses_depth:
+        options["depth"] = index / (samples_per_task - 1) if samples_per_task > 1 else 0.5
+    return TASKS[name](tokenizer, length, rng, **options)
+
+
 def make_suite(tokenizer, length: int, samples_per_task: int, seed: int,
                tasks: list[str] | None = None) -> list[Sample]:
-    """samples_per_task samples of each task (all of TASKS by default) at `length` tokens.
-
-    Each sample gets its own rng seeded from (seed, task, index), so the suite is identical for a seed and a
-    task's samples don't change when other tasks are added. Needle tasks sweep depth evenly over 0..1.
-    """
+    """samples_per_task samples (make_sample) of each task (all of TASKS by default) at `length` tokens."""
     names = list(TASKS) if tasks is None else list(tasks)
     unknown = [n for n in names if n not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}: choose from {sorted(TASKS)}")
-    suite = []
-    for name in names:
-        for i in range(samples_per_task):
-            rng = random.Random(f"tailorkv-eval:{seed}:{name}:{i}")
-            options = {}
-            if TASKS[name].uses_depth:
-                options["depth"] = i / (samples_per_task - 1) if samples_per_task > 1 else 0.5
-            suite.append(TASKS[name](tokenizer, length, rng, **options))
-    return suite
+    return [make_sample(tokenizer, length, name, i, samples_per_task, seed)
+            for name in names for i in range(samples_per_task)]
