@@ -16,14 +16,14 @@ for e in ${EVALS:-pct3 p1024 curve}; do
         pct3) TIME_LIMIT=${PCT3_LIMIT:-300} MPS=1 bash eval/run_sharded.sh /tmp/ev/pct3 "$n" 2k,4k,8k --samples 20 \
                   --budgets 3% "${common[@]}" --fidelity-tokens 64 ;;
         p1024) TIME_LIMIT=${P1024_LIMIT:-120} MPS=1 bash eval/run_sharded.sh /tmp/ev/p1024 "$n" 8k --samples 20 \
-                  --budgets 1024 "${common[@]}" --fidelity-tokens 128 ;;
+                  --budgets 1024 --bits 2 --fidelity-tokens 128 ;;
         curve) TIME_LIMIT=${CURVE_LIMIT:-140} MPS=1 bash eval/run_sharded.sh /tmp/ev/curve "$n" 4k \
                   --samples "${CURVE_SAMPLES:-6}" --budgets 1%,3%,6%,12%,25% "${common[@]}" --fidelity-tokens 0 ;;
         paper) TIME_LIMIT=${PAPER_LIMIT:-150} MPS=1 METHODS=full,tailorkv bash eval/run_sharded.sh /tmp/ev/paper "$n" \
                   2k,4k,8k --samples 10 --budgets 3% --split paper --bits 2 --fidelity-tokens 64 \
                   --select-rule paper ;;
         kt16|kt8) TIME_LIMIT=${KT_LIMIT:-200} MPS=1 METHODS=full,tailorkv bash eval/run_sharded.sh "/tmp/ev/$e" "$n" \
-                  8k --samples 20 --budgets 1024 "${common[@]}" --fidelity-tokens 128 --kt-bits "${e#kt}" ;;
+                  8k --samples 20 --budgets 1024 --bits 2 --fidelity-tokens 128 --kt-bits "${e#kt}" ;;
         *) echo "unknown eval $e"; continue ;;
     esac > "/tmp/ev/$e.log" 2>&1
     echo "== $e: $((SECONDS - t0)) s"
