@@ -187,3 +187,21 @@ def lowest_ties_topk(scores, k):
     """The SET of the k largest, ties at the k-th value broken by the lowest index, ascending (on the CPU)."""
     _, perm = torch.sort(-scores.double().cpu(), dim=-1, stable=True)
     return perm[..., :k].sort(-1).values
+
+
+# a chat template in the tiny checkpoints of the eval tests: roles as tags
+TAG_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def invoke_eval(*args):
+    """The eval commands (eval, eval-merge, eval-compare) run through click's test runner."""
+    import click
+    from click.testing import CliRunner
+    from tailorkv.engine.evaluation.command import register
+
+    @click.group()
+    def group():
+        pass
+    register(group)
+    return CliRunner().invoke(group, list(args))

@@ -7,23 +7,20 @@ import math
 import os
 import shlex
 
-import click
 import pytest
 import torch
-from click.testing import CliRunner
 
 from tailorkv.engine.evaluation import driver as D, plan as P, prompts, summary as S
 from tailorkv.engine.evaluation.fidelity import RecallProbe, compare_logits, fidelity_ids, run_fidelity
 from tailorkv.engine.evaluation.tasks import make_suite
-from tailorkv.engine.evaluation.command import register
 from tailorkv.engine.policies.selection import ChannelSelector
 from tailorkv.engine.settings import MethodSettings
 from tailorkv.models.loader import load_model
-from helpers import assert_one_line_error, check_png, load_json_strict as load, write_tiny_folder
+from helpers import (TAG_TEMPLATE, assert_one_line_error, check_png, invoke_eval, load_json_strict as load,
+                     write_tiny_folder)
 
 VOCAB = 256
-TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = TAG_TEMPLATE
 LENGTHS = "512,640"
 TASKS = "passkey,variable_tracking"
 METHODS = ["full", "tailorkv", "streamingllm"]
@@ -34,12 +31,7 @@ GROUPS = ["64", "12%"]
 RUNS = [(None, "full")] + [(b, m) for b in GROUPS for m in METHODS[1:]]  # each sample's runs, in order
 
 
-def invoke(*args):
-    @click.group()
-    def group():
-        pass
-    register(group)
-    return CliRunner().invoke(group, list(args))
+invoke = invoke_eval
 
 
 @pytest.fixture(scope="module")

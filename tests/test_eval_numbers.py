@@ -61,11 +61,11 @@ def test_stratified_none_cases():
 
 
 def test_combine_across_lengths():
-    mean, se = S._combine([10.0, 20.0, 60.0], [3.0, 4.0, 12.0])
+    mean, se = S.combine([10.0, 20.0, 60.0], [3.0, 4.0, 12.0])
     assert mean == pytest.approx(30.0) and se == pytest.approx(13 / 3)  # sqrt(9 + 16 + 144) / 3
-    assert S._combine([10.0, None], [1.0, 1.0]) == (None, None)
-    assert S._combine([], []) == (None, None)
-    mean, se = S._combine([1.0, 2.0], [0.5, None])
+    assert S.combine([10.0, None], [1.0, 1.0]) == (None, None)
+    assert S.combine([], []) == (None, None)
+    mean, se = S.combine([1.0, 2.0], [0.5, None])
     assert mean == pytest.approx(1.5) and se is None
 
 

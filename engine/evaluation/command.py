@@ -1,4 +1,4 @@
-"""`tailorkv eval` and `tailorkv eval-merge`: the click commands over engine.evaluation.driver (the work),
+"""`tailorkv eval`, `tailorkv eval-merge` and `tailorkv eval-compare`: the click commands over engine.evaluation.driver (the work),
 fidelity (teacher-forced comparison with full) and report (tables, PNGs). ui.py calls register(main).
 
     tailorkv eval --model smollm2-135m --methods full,tailorkv,streamingllm,snapkv,quest \\
@@ -128,7 +128,18 @@ def register(main: click.Group) -> list[click.Command]:
         """Merge the eval.shard-*-of-*.json files of FOLDER into eval.json + PNG plots (and print the tables)."""
         run_merge(folder, out, partial, overwrite)
 
-    return [eval_cmd, eval_merge]
+    @main.command("eval-compare")
+    @click.argument("a")
+    @click.argument("b")
+    @click.option("--method", default=None, help="the method to pair (default: the one with a budget both ran)")
+    @click.option("--json", "json_out", default=None, help="also write the comparison to this JSON file")
+    @click.option("--overwrite", is_flag=True, help="replace the file --json names")
+    @ui.friendly
+    def eval_compare(a, b, method, json_out, overwrite):
+        """One method's samples in two eval runs (eval.json or its folder) paired: B - A per length and task."""
+        run_compare(a, b, method, json_out, overwrite)
+
+    return [eval_cmd, eval_merge, eval_compare]
 
 
 def make_plan(knobs: dict, methods, lengths, samples, tasks, seed, budgets, budget_frac, split, protocol,
@@ -423,3 +434,27 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
     con.print(f"merged {ui.count(len(files), 'shard')} ({ui.count(len({r['item'] for r in recs}), 'item')}, "
               f"{ui.count(len(recs), 'record')}); "
               f"results in {', '.join(paths)}")
+
+
+def run_compare(path_a: str, path_b: str, method: str | None, json_out: str | None, overwrite: bool) -> None:
+    from tailorkv.engine import results as R
+    from tailorkv.engine.evaluation import compare as C
+    from tailorkv.engine.evaluation.labels import title_line
+
+    if json_out is not None:
+        R.check_out(json_out, kind="file", flag="--json")
+        if os.path.exists(json_out) and not overwrite:
+            raise InputError(f"--json {json_out} already exists: pass --overwrite to replace it, or name another file")
+    a, b = C.load_pair(path_a, path_b)
+    cmp = C.compare(a, b, C.pick_method(a, b, method))
+    con = _console()
+    for name, path, res in (("A", path_a, a), ("B", path_b, b)):
+        commit = ((res.get("env") or {}).get("git_commit") or "?")[:9]
+        con.print(f"[bold]{name}[/]: {escape(path)} ({escape(title_line(res))}; commit {commit})")
+    con.print(f"{cmp['method']}: {cmp['paired']} samples paired ({cmp['only_a']} only in A, {cmp['only_b']} only in "
+              f"B); settings that differ: {escape('; '.join(cmp['changed']) or 'none')}")
+    for t in C.tables(cmp):
+        con.print(t)
+    if json_out is not None:
+        R.write_json(json_out, cmp)
+        con.print(f"written to {json_out}")

@@ -37,7 +37,7 @@ def stratified(by_task: dict[str, list[float]], tasks: list[str]) -> tuple[float
     return mean, math.sqrt(var) / len(tasks)
 
 
-def _combine(values: list, ses: list) -> tuple[float | None, float | None]:
+def combine(values: list, ses: list) -> tuple[float | None, float | None]:
     """Mean of per-length values and the SE of that mean (independent lengths)."""
     if not values or any(v is None for v in values):
         return None, None
@@ -119,11 +119,11 @@ def summarize(records: list[dict], plan: EvalPlan) -> dict:
         overall: dict = {}
         for m in plan.methods:
             cells = [per[str(n)][m] for n in plan.lengths]
-            tasks = {t: _combine([c["tasks"][t] for c in cells], [0.0] * len(cells))[0] for t in plan.tasks}
-            avg, avg_se = _combine([c["average"] for c in cells], [c["average_se"] for c in cells])
-            diff, diff_se = _combine([c["diff"] for c in cells], [c["diff_se"] for c in cells])
-            dnll, dnll_se = _combine([c["dnll"] for c in cells], [c["dnll_se"] for c in cells])
-            agree = _combine([c["agree"] for c in cells], [None] * len(cells))[0]
+            tasks = {t: combine([c["tasks"][t] for c in cells], [0.0] * len(cells))[0] for t in plan.tasks}
+            avg, avg_se = combine([c["average"] for c in cells], [c["average_se"] for c in cells])
+            diff, diff_se = combine([c["diff"] for c in cells], [c["diff_se"] for c in cells])
+            dnll, dnll_se = combine([c["dnll"] for c in cells], [c["dnll_se"] for c in cells])
+            agree = combine([c["agree"] for c in cells], [None] * len(cells))[0]
             overall[m] = {"tasks": tasks, "average": avg, "average_se": avg_se, "diff": diff, "diff_se": diff_se,
                           "dnll": dnll, "dnll_se": dnll_se, "agree": agree,
                           "n": sum(c["n"] for c in cells), "failed": sum(c["failed"] for c in cells)}
