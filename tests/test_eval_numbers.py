@@ -447,6 +447,10 @@ def test_the_title_names_budgets_and_tailorkvs_settings_only_where_they_ran():
     assert budget_line(dict(e, methods=["full", "streamingllm"])).startswith("budgets 64 (split shrink)")
     assert "channels" not in budget_line(dict(e, methods=["full", "streamingllm"]))
     assert budget_line(dict(e, methods=["tailorkv"])).endswith("-bit quant layers, r = 12 channels")
+    paper = dict(e, methods=["tailorkv"], budgets=[{"label": "192", "kind": "paper", "frac": None, "tokens": 192},
+                                                   {"label": "1024", "kind": "paper", "frac": None, "tokens": 1024}])
+    assert budget_line(paper).startswith("budgets 192 (the paper's split), 1024 (the paper's split), ")  # no --split
+    assert budget_line(paper).endswith("r = 8 / 12 channels")
 
 
 def test_a_tables_title_stays_on_one_line():

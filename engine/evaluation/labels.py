@@ -16,14 +16,19 @@ def title_line(res: dict) -> str:
 
 
 def budget_line(e: dict) -> str:
-    """The budget groups (where a method with a budget ran) and tailorkv's bits and r (where it ran)."""
-    from tailorkv.engine.evaluation.budgets import budgeted
-    b, methods = e["base_settings"], e.get("methods") or []
+    """The budget groups (where a method with a budget ran) and tailorkv's bits and r (where it ran): the split
+    named only where a group uses it (192 and 1024 bring the paper's own sink, recent and r)."""
+    from tailorkv.engine.evaluation.budgets import PAPER_SPLITS, budgeted
+    b, methods, groups = e["base_settings"], e.get("methods") or [], e.get("budgets") or []
     parts = []
     if budgeted(methods):
-        parts.append(f"budgets {', '.join(g['label'] for g in e['budgets'])} (split {e['split']})")
+        labels = ", ".join(g["label"] + (" (the paper's split)" if g.get("kind") == "paper" else "") for g in groups)
+        split = any(g.get("kind") in ("frac", "tokens") for g in groups)
+        parts.append(f"budgets {labels}" + (f" (split {e['split']})" if split else ""))
     if "tailorkv" in methods:
-        parts.append(f"{b['bits']}-bit quant layers, r = {b['channels']} channels")
+        rs = sorted({PAPER_SPLITS[g["tokens"]][2] if g.get("kind") == "paper" else b["channels"] for g in groups}
+                    or {b["channels"]})
+        parts.append(f"{b['bits']}-bit quant layers, r = {' / '.join(map(str, rs))} channels")
     return ", ".join(parts) or "no budgets (every method keeps every token)"
 
 
