@@ -72,6 +72,12 @@ def test_command_prints_and_writes_json(run_a, tmp_path):
                           "already exists", "--overwrite")
     assert open(out).read() == before
     assert invoke("eval-compare", run_a, b_path, "--method", "tailorkv", "--json", out, "--overwrite").exit_code == 0
+    partial = dict(load(b_path), complete=False)
+    partial["records"] = [r for r in partial["records"] if r["length"] == 640]
+    with open(b_path, "w") as f:
+        json.dump(partial, f)
+    r = invoke("eval-compare", run_a, b_path, "--method", "tailorkv")
+    assert r.exit_code == 0 and "B is a partial run" in r.output and "4 samples paired (4 only in A" in r.output
 
 
 def test_errors_name_cause_and_fix(run_a, tmp_path):

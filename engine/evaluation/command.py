@@ -451,6 +451,8 @@ def run_compare(path_a: str, path_b: str, method: str | None, json_out: str | No
     for name, path, res in (("A", path_a, a), ("B", path_b, b)):
         commit = ((res.get("env") or {}).get("git_commit") or "?")[:9]
         con.print(f"[bold]{name}[/]: {escape(path)} ({escape(title_line(res))}; commit {commit})")
+        if res.get("complete") is False:
+            con.print(f"[yellow]warning: {name} is a partial run: only the samples both finished are paired[/]")
     con.print(f"{cmp['method']}: {cmp['paired']} samples paired ({cmp['only_a']} only in A, {cmp['only_b']} only in "
               f"B); settings that differ: {escape('; '.join(cmp['changed']) or 'none')}")
     for t in C.tables(cmp):
