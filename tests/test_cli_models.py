@@ -9,10 +9,9 @@ from click.testing import CliRunner
 
 from tailorkv.cli import main
 from tailorkv.engine.ui import dtype_name, pick_dtype
-from helpers import assert_one_line_error, write_tiny_folder
+from helpers import TAG_TEMPLATE, assert_one_line_error, write_tiny_folder
 
-TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = TAG_TEMPLATE
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -10,10 +10,9 @@ from tailorkv.cli import main
 from tailorkv.engine import methods
 from tailorkv.engine.settings import DEFAULT_BITS, MethodSettings
 from tailorkv.models import loader
-from helpers import assert_one_line_error, load_json_strict, write_tiny_folder
+from helpers import TAG_TEMPLATE, assert_one_line_error, load_json_strict, write_tiny_folder
 
-TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = TAG_TEMPLATE
 KNOBS = ["--budget", "64", "--sink", "8", "--recent", "16", "--channels", "4"]
 
 
