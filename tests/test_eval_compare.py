@@ -7,8 +7,8 @@ import os
 import pytest
 
 from tailorkv.engine.evaluation import compare as C
-from helpers import TAG_TEMPLATE, assert_one_line_error, invoke_eval as invoke, load_json_strict as load, \
-    write_tiny_folder
+from helpers import TAG_TEMPLATE, assert_one_line_error, check_png, invoke_eval as invoke, \
+    load_json_strict as load, write_tiny_folder
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +61,17 @@ def test_command_prints_and_writes_json(run_a, tmp_path):
     os.makedirs(os.path.dirname(b_path))
     with open(b_path, "w") as f:
         json.dump(_changed(load(run_a)), f)
-    out = str(tmp_path / "cmp.json")
-    r = invoke("eval-compare", run_a, os.path.dirname(b_path), "--method", "tailorkv", "--json", out)
+    out, png = str(tmp_path / "cmp.json"), str(tmp_path / "cmp.png")
+    r = invoke("eval-compare", run_a, os.path.dirname(b_path), "--method", "tailorkv", "--json", out, "--plot", png)
     assert r.exit_code == 0, r.output
+    check_png(png)
     assert "8 samples paired (0 only in A, 0 only in B); settings that differ: kt_bits: 16 -> 8" in r.output
     assert "+3.8 ± 3.8" in r.output and "3/4" in r.output                            # the budget's mean over lengths
     assert load(out)["groups"]["64"]["diff"] == pytest.approx(3.75)
     before = open(out).read()
     assert_one_line_error(invoke("eval-compare", run_a, b_path, "--method", "tailorkv", "--json", out),
                           "already exists", "--overwrite")
+    assert_one_line_error(invoke("eval-compare", run_a, b_path, "--plot", png), "--plot", "already exists")
     assert open(out).read() == before
     assert invoke("eval-compare", run_a, b_path, "--method", "tailorkv", "--json", out, "--overwrite").exit_code == 0
     partial = dict(load(b_path), complete=False)

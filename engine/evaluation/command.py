@@ -133,11 +133,12 @@ def register(main: click.Group) -> list[click.Command]:
     @click.argument("b")
     @click.option("--method", default=None, help="the method to pair (default: the one with a budget both ran)")
     @click.option("--json", "json_out", default=None, help="also write the comparison to this JSON file")
-    @click.option("--overwrite", is_flag=True, help="replace the file --json names")
+    @click.option("--plot", default=None, help="also draw the paired differences with 95% intervals (PNG)")
+    @click.option("--overwrite", is_flag=True, help="replace the files --json and --plot name")
     @ui.friendly
-    def eval_compare(a, b, method, json_out, overwrite):
+    def eval_compare(a, b, method, json_out, plot, overwrite):
         """One method's samples in two eval runs (eval.json or its folder) paired: B - A per length and task."""
-        run_compare(a, b, method, json_out, overwrite)
+        run_compare(a, b, method, json_out, plot, overwrite)
 
     return [eval_cmd, eval_merge, eval_compare]
 
@@ -436,15 +437,17 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
               f"results in {', '.join(paths)}")
 
 
-def run_compare(path_a: str, path_b: str, method: str | None, json_out: str | None, overwrite: bool) -> None:
+def run_compare(path_a: str, path_b: str, method: str | None, json_out: str | None, plot: str | None,
+                overwrite: bool) -> None:
     from tailorkv.engine import results as R
     from tailorkv.engine.evaluation import compare as C
     from tailorkv.engine.evaluation.labels import title_line
 
-    if json_out is not None:
-        R.check_out(json_out, kind="file", flag="--json")
-        if os.path.exists(json_out) and not overwrite:
-            raise InputError(f"--json {json_out} already exists: pass --overwrite to replace it, or name another file")
+    for flag, path in (("--json", json_out), ("--plot", plot)):
+        if path is not None:
+            R.check_out(path, kind="file", flag=flag)
+            if os.path.exists(path) and not overwrite:
+                raise InputError(f"{flag} {path} already exists: pass --overwrite to replace it, or name another file")
     a, b = C.load_pair(path_a, path_b)
     cmp = C.compare(a, b, C.pick_method(a, b, method))
     con = _console()
@@ -459,4 +462,9 @@ def run_compare(path_a: str, path_b: str, method: str | None, json_out: str | No
         con.print(t)
     if json_out is not None:
         R.write_json(json_out, cmp)
-        con.print(f"written to {json_out}")
+    if plot is not None:
+        from tailorkv.engine.evaluation.plots import plot_compare
+        plot_compare(cmp, plot)
+    written = [p for p in (json_out, plot) if p is not None]
+    if written:
+        con.print(f"written to {', '.join(written)}")

@@ -126,6 +126,18 @@ def compare(a: dict, b: dict, method: str) -> dict:
             "tasks": by_task, "fidelity": fidelity}
 
 
+def cell_rows(cmp: dict) -> list[tuple[str, dict]]:
+    """(label, figures) per budget group and length, then the group's mean over lengths where it has several."""
+    rows = []
+    for group, g in cmp["groups"].items():
+        name = "" if group == "None" else f"budget {group}, "
+        mine = [c for c in cmp["cells"] if str(c["budget"]) == group]
+        rows += [(f"{name}{length_label(c['length'])}", c) for c in mine]
+        if len(mine) > 1:
+            rows.append((f"{name}mean over lengths", g))
+    return rows
+
+
 def _pm(v, se, fmt="+.1f") -> str:
     if v is None:
         return "-"
@@ -147,14 +159,7 @@ def tables(cmp: dict):
                       _pm(r["dnll_diff"], r["dnll_diff_se"], "+.4f"))
         return t
 
-    rows = []
-    for group, g in cmp["groups"].items():
-        name = "" if group == "None" else f"budget {group}, "
-        mine = [c for c in cmp["cells"] if str(c["budget"]) == group]
-        rows += [(f"{name}{length_label(c['length'])}", c) for c in mine]
-        if len(mine) > 1:
-            rows.append((f"{name}mean over lengths", g))
-    out = [table(f"{cmp['method']}: score (mean over tasks), paired B - A", "budget, length", rows),
+    out = [table(f"{cmp['method']}: score (mean over tasks), paired B - A", "budget, length", cell_rows(cmp)),
            table("per task, over every length and budget", "task", list(cmp["tasks"].items()))]
     if cmp["fidelity"]:
         t = Table(title="fidelity vs full (teacher-forced essay text), A -> B", title_justify="left")

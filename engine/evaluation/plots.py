@@ -4,7 +4,8 @@
 - eval_budgets.png: the budget curve: score (top) and dNLL of full's answers (bottom) against the budget as a
   share of the length, one line per method with standard-error bars, one column per length plus one for the
   mean over lengths (share budgets only); exact methods (full) as a horizontal line;
-- eval_fidelity.png (when fidelity ran): top-1 agreement and mean KL per method, grouped by length and budget.
+- eval_fidelity.png (when fidelity ran): top-1 agreement and mean KL per method, grouped by length and budget;
+- eval-compare's --plot: paired differences B - A per task and per (budget, length), with 95% intervals.
 """
 from __future__ import annotations
 
@@ -174,4 +175,28 @@ def plot_fidelity(res: dict, path: str) -> None:
                  f"{m.get('name', '?')} on {env.get('gpu') or env.get('device') or '?'}, {budget_line(e)}",
                  fontsize=10)
     fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_compare(cmp: dict, path: str) -> None:
+    """eval-compare's picture: per task and per (budget, length), the paired difference B - A of the score (left)
+    and of the dNLL of full's answers (right), each with a 95% interval (1.96 SE), a zero line between them."""
+    from matplotlib.ticker import MaxNLocator
+    from tailorkv.engine.evaluation.compare import cell_rows
+    plt = _plt()
+    rows = list(cmp["tasks"].items()) + cell_rows(cmp)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.32 * len(rows) + 1.6), dpi=110, sharey=True)
+    ys = list(range(len(rows)))[::-1]
+    for ax, (key, se, label) in zip(axes, (("diff", "diff_se", "score, B - A (points)"),
+                                           ("dnll_diff", "dnll_diff_se", "dNLL of full's answers, B - A (nats/token)"))):
+        pts = [(y, r[key], 1.96 * (r[se] or 0)) for y, (_, r) in zip(ys, rows) if r[key] is not None]
+        ax.errorbar([p[1] for p in pts], [p[0] for p in pts], xerr=[p[2] for p in pts], fmt="o", ms=4, capsize=3)
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.axhline(len(rows) - len(cmp["tasks"]) - 0.5, color="grey", lw=0.5, ls=":")  # tasks above, cells below
+        ax.set_xlabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(5))
+    axes[0].set_yticks(ys)
+    axes[0].set_yticklabels([name for name, _ in rows], fontsize=8)
+    fig.suptitle(f"{cmp['method']}: B - A over {cmp['paired']} paired samples, 95% intervals; "
+                 f"{'; '.join(cmp['changed']) or 'no setting differs'}", fontsize=9)
     _save(fig, path)
