@@ -38,7 +38,7 @@ def _changed(a: dict) -> dict:
 
 def test_pairs_by_sample_with_stratified_errors(run_a):
     a = load(run_a)
-    cmp = C.compare(a, _changed(a), C.pick_method(a, _changed(a), "tailorkv"))
+    cmp = C.compare(a, _changed(a), *C.pick_method(a, _changed(a), "tailorkv"))
     assert cmp["paired"] == 8 and cmp["only_a"] == cmp["only_b"] == 0   # 2 lengths x 2 tasks x 2 samples
     assert cmp["changed"] == ["kt_bits: 16 -> 8"]
     c640, c768 = cmp["cells"]
@@ -54,6 +54,22 @@ def test_pairs_by_sample_with_stratified_errors(run_a):
     assert [f["top1_agreement"][0] == f["top1_agreement"][1] for f in cmp["fidelity"]] == [True, True]
     same = C.compare(a, a, "tailorkv")
     assert same["changed"] == [] and same["groups"]["64"]["diff"] == 0 and same["tasks"]["passkey"]["same_answer"] == 4
+
+
+def test_two_methods_of_one_run_pair_as_eval_pairs_them_with_full(run_a):
+    """--against: full (A) against tailorkv (B) in the same run gives eval's own paired difference and dNLL."""
+    a = load(run_a)
+    cmp = C.compare(a, a, *C.pick_method(a, a, "full", "tailorkv"))
+    own = a["summary"]["budgets"]["64"]["overall"]["tailorkv"]
+    assert cmp["method"] == "full -> tailorkv" and cmp["changed"][0] == "method: full -> tailorkv"
+    assert cmp["paired"] == 8
+    assert cmp["groups"]["64"]["diff"] == pytest.approx(own["diff"])
+    assert cmp["groups"]["64"]["diff_se"] == pytest.approx(own["diff_se"])
+    assert cmp["groups"]["64"]["dnll_diff"] == pytest.approx(own["dnll"])
+    with pytest.raises(ValueError, match="--against streamingllm pairs it with A's --method"):
+        C.pick_method(a, a, None, "streamingllm")
+    with pytest.raises(ValueError, match="--against quest: run B has no finished record"):
+        C.pick_method(a, a, "full", "quest")
 
 
 def test_command_prints_and_writes_json(run_a, tmp_path):

@@ -132,13 +132,15 @@ def register(main: click.Group) -> list[click.Command]:
     @click.argument("a")
     @click.argument("b")
     @click.option("--method", default=None, help="the method to pair (default: the one with a budget both ran)")
+    @click.option("--against", default=None, help="B's method, to pair two methods (A's is --method; A and B "
+                  "may be the same run)")
     @click.option("--json", "json_out", default=None, help="also write the comparison to this JSON file")
     @click.option("--plot", default=None, help="also draw the paired differences with 95% intervals (PNG)")
     @click.option("--overwrite", is_flag=True, help="replace the files --json and --plot name")
     @ui.friendly
-    def eval_compare(a, b, method, json_out, plot, overwrite):
+    def eval_compare(a, b, method, against, json_out, plot, overwrite):
         """One method's samples in two eval runs (eval.json or its folder) paired: B - A per length and task."""
-        run_compare(a, b, method, json_out, plot, overwrite)
+        run_compare(a, b, method, against, json_out, plot, overwrite)
 
     return [eval_cmd, eval_merge, eval_compare]
 
@@ -437,8 +439,8 @@ def run_merge(folder: str, out: str | None, partial: bool = False, overwrite: bo
               f"results in {', '.join(paths)}")
 
 
-def run_compare(path_a: str, path_b: str, method: str | None, json_out: str | None, plot: str | None,
-                overwrite: bool) -> None:
+def run_compare(path_a: str, path_b: str, method: str | None, against: str | None, json_out: str | None,
+                plot: str | None, overwrite: bool) -> None:
     from tailorkv.engine import results as R
     from tailorkv.engine.evaluation import compare as C
     from tailorkv.engine.evaluation.labels import title_line
@@ -449,7 +451,7 @@ def run_compare(path_a: str, path_b: str, method: str | None, json_out: str | No
             if os.path.exists(path) and not overwrite:
                 raise InputError(f"{flag} {path} already exists: pass --overwrite to replace it, or name another file")
     a, b = C.load_pair(path_a, path_b)
-    cmp = C.compare(a, b, C.pick_method(a, b, method))
+    cmp = C.compare(a, b, *C.pick_method(a, b, method, against))
     con = _console()
     for name, path, res in (("A", path_a, a), ("B", path_b, b)):
         commit = ((res.get("env") or {}).get("git_commit") or "?")[:9]

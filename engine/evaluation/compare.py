@@ -1,4 +1,4 @@
-"""`tailorkv eval-compare A B`: one method's samples in two eval runs, paired, B - A.
+"""`tailorkv eval-compare A B`: one method's samples in two eval runs (or two methods', --against), paired, B - A.
 
 Two runs that differ in a knob (``--kt-bits 16`` and ``8``, two commits, two selection rules) ran the same prompts
 when their lengths, tasks, samples, seed and question placement agree; their task records pair by (length, budget
@@ -35,29 +35,33 @@ def _ok_methods(res: dict) -> set[str]:
     return {r["method"] for r in res["records"] + res["fidelity"] if r["status"] == "ok"}
 
 
-def pick_method(a: dict, b: dict, method: str | None) -> str:
-    """The method named, or the one method with a budget that both runs ran."""
+def pick_method(a: dict, b: dict, method: str | None, against: str | None = None) -> tuple[str, str]:
+    """(A's method, B's method): the ones named (--method, and --against for B), or the one method with a budget
+    that both runs ran."""
     in_a, in_b = _ok_methods(a), _ok_methods(b)
+    if against is not None and method is None:
+        raise InputError(f"--against {against} pairs it with A's --method: name that one too, e.g. --method full")
     if method is not None:
-        for name, have in (("A", in_a), ("B", in_b)):
-            if method not in have:
-                raise InputError(f"--method {method}: run {name} has no finished record of it (it has "
+        for name, have, m, flag in (("A", in_a, method, "--method"), ("B", in_b, against or method,
+                                                                      "--against" if against else "--method")):
+            if m not in have:
+                raise InputError(f"{flag} {m}: run {name} has no finished record of it (it has "
                                  f"{', '.join(sorted(have)) or 'none'})")
-        return method
+        return method, against or method
     both = sorted((in_a & in_b) - set(EXACT_METHODS))
     if len(both) != 1:
         raise InputError(f"name the method to compare with --method: both runs ran "
                          f"{', '.join(sorted(in_a & in_b)) or 'no method in common'}")
-    return both[0]
+    return both[0], both[0]
 
 
-def settings_changed(a: dict, b: dict, method: str) -> list[str]:
-    """'knob: A -> B' for each setting of the method that differs between the runs (where both ran a cell)."""
-    out: list[str] = []
+def settings_changed(a: dict, b: dict, method: str, method_b: str) -> list[str]:
+    """'knob: A -> B' for each setting that differs between A's method and B's (where both ran a cell)."""
+    out = [f"method: {method} -> {method_b}"] if method != method_b else []
     for group, by_length in (a.get("settings") or {}).items():
         for n, by_method in by_length.items():
             sa = by_method.get(method)
-            sb = ((b.get("settings") or {}).get(group) or {}).get(n, {}).get(method)
+            sb = ((b.get("settings") or {}).get(group) or {}).get(n, {}).get(method_b)
             if sa is None or sb is None:
                 continue
             for k in sorted(set(sa) | set(sb)):
@@ -86,11 +90,22 @@ def _row(pairs: list[tuple[dict, dict]], tasks: list[str]) -> dict:
             "same_answer": sum(ra.get("prediction") == rb.get("prediction") for ra, rb in pairs)}
 
 
-def compare(a: dict, b: dict, method: str) -> dict:
-    def keyed(res):
-        return {(r["budget"], r["length"], r["prompt_hash"]): r for r in res["records"]
-                if r["method"] == method and r["status"] == "ok"}
-    ra, rb = keyed(a), keyed(b)
+def _keyed(res: dict, method: str, groups: list) -> dict:
+    """A method's finished task records by (budget, length, prompt); an exact method's (budget None) under each
+    of `groups` when those are budgets, to pair with a budgeted method."""
+    out = {}
+    for r in res["records"]:
+        if r["method"] == method and r["status"] == "ok":
+            for g in (groups if r["budget"] is None else [r["budget"]]):
+                out[(g, r["length"], r["prompt_hash"])] = r
+    return out
+
+
+def compare(a: dict, b: dict, method: str, method_b: str | None = None) -> dict:
+    """B's method_b (default: method) against A's method, sample by sample."""
+    method_b = method_b or method
+    budgets = [{r["budget"] for r in res["records"] if r["method"] == m} for res, m in ((a, method), (b, method_b))]
+    ra, rb = _keyed(a, method, sorted(budgets[1], key=str)), _keyed(b, method_b, sorted(budgets[0], key=str))
     keys = [k for k in ra if k in rb]
     if not keys:
         raise InputError(f"no {method} sample finished in both runs with the same length, budget and prompt: "
@@ -115,13 +130,14 @@ def compare(a: dict, b: dict, method: str) -> dict:
         pairs = [(ra[k], rb[k]) for k in keys if ra[k]["task"] == t]
         by_task[t] = _row(pairs, [t])
     fidelity = []
-    ok_b = {(f["length"], f["budget"]): f for f in b["fidelity"] if f["method"] == method and f["status"] == "ok"}
+    ok_b = {(f["length"], f["budget"]): f for f in b["fidelity"] if f["method"] == method_b and f["status"] == "ok"}
     for fa in a["fidelity"]:
         fb = ok_b.get((fa["length"], fa["budget"]))
         if fa["method"] == method and fa["status"] == "ok" and fb is not None:
             fidelity.append({"length": fa["length"], "budget": fa["budget"],
                              **{k: [fa.get(k), fb.get(k)] for k in FIDELITY_KEYS}})
-    return {"method": method, "changed": settings_changed(a, b, method), "paired": len(keys),
+    return {"method": method if method == method_b else f"{method} -> {method_b}",
+            "changed": settings_changed(a, b, method, method_b), "paired": len(keys),
             "only_a": len(ra) - len(keys), "only_b": len(rb) - len(keys), "cells": cells, "groups": groups,
             "tasks": by_task, "fidelity": fidelity}
 
