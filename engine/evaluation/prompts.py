@@ -16,7 +16,7 @@ import hashlib
 from typing import Iterable
 
 from tailorkv.engine.errors import InputError
-from tailorkv.engine.evaluation.tasks import Sample, make_sample, make_suite
+from tailorkv.engine.evaluation.tasks import Sample, make_sample
 from tailorkv.models.tokenizer import bos_prefix
 
 
@@ -59,25 +59,26 @@ def build_suites(tokenizer, plan, lengths: Iterable[int] | None = None) -> dict[
                 raise InputError(f"--lengths {n} leaves no room for {task}: its {plan.max_new(task)} new tokens "
                                  f"take nearly all of it: use a longer length or fewer --max-new-tokens")
             try:
-                probe = make_suite(tokenizer, room, 1, plan.seed, tasks=[task])[0]
+                probe = make_sample(tokenizer, room, task, 0, 1, plan.seed)
             except InputError as e:
                 raise InputError(f"--lengths {n} is too short: {e}") from None
             overhead = len(prompt_ids(tokenizer, probe, plan.question)) - probe.n_tokens
             if room - overhead < 16:
                 raise InputError(f"--lengths {n} leaves no room for {task}: the prompt template and "
                                  f"{plan.max_new(task)} new tokens need more; use a longer length")
-            suite += [_fitted(tokenizer, plan, task, i, room - overhead, room) for i in range(plan.samples)]
+            suite += [_fitted(tokenizer, plan, n, task, i, room - overhead) for i in range(plan.samples)]
         out[n] = suite
     return out
 
 
-def _fitted(tokenizer, plan, task: str, index: int, target: int, room: int) -> Sample:
-    """Sample `index` of `task` whose rendered prompt takes at most `room` tokens."""
+def _fitted(tokenizer, plan, n: int, task: str, index: int, target: int) -> Sample:
+    """Sample `index` of `task` whose rendered prompt and max new tokens take at most the length n."""
+    room = n - plan.max_new(task)
     for _ in range(8):
         try:
             s = make_sample(tokenizer, target, task, index, plan.samples, plan.seed)
         except InputError as e:
-            raise InputError(f"--lengths {room + plan.max_new(task)} is too short: {e}") from None
+            raise InputError(f"--lengths {n} is too short: {e}") from None
         excess = len(prompt_ids(tokenizer, s, plan.question)) - room
         if excess <= 0:
             return s
