@@ -3,8 +3,10 @@ From the repo root:  PYTHONPATH=src python3 bench/kernels.py --out DIR [--only g
 (`quant` stands for qk,av,qattn). For each kernel: max relative error against the reference on fresh random inputs at
 2-3 shapes (PASS/FAIL), then the time of one call (CUDA events around replays of a CUDA graph that holds several
 calls, inputs rotating over sets that together exceed the 60 MB L2; median of 50), the bytes it must move, the
-rate against the ceiling (HBM 4300 GB/s read+write; PCIe 55 GB/s for the pinned-host gathers), and the baseline's
-time. A kernel that fails to build or is wrong is reported and the others go on. Writes DIR/kernels.json."""
+rate against the ceiling, and the baseline's time. The ceilings are this GPU's, measured at the start: HBM a device
+copy, read + write (4.2-4.3 TB/s on the H200, 3.0 on the H100), PCIe a pinned host-to-device copy (55 GB/s), for
+the pinned-host gathers; --hbm-gbps / --pcie-gbps set them. A kernel that fails to build or is wrong is reported
+and the others go on. Writes DIR/kernels.json."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +20,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from tailorkv.engine.bench.driver import floor_bandwidths, measure_hbm_gbps, measure_pcie_gbps
 from tailorkv.engine.results import environment, write_json
 from tailorkv.ops import dispatch
 from tailorkv.ops.attention import attend_decode
@@ -468,7 +471,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for kernels.json")
     ap.add_argument("--only", default="", help="comma-separated: " + ",".join(BENCHES) + " (quant = qk,av,qattn)")
+    ap.add_argument("--hbm-gbps", type=float, default=None, help="the HBM ceiling [default: a device copy, measured]")
+    ap.add_argument("--pcie-gbps", type=float, default=None, help="the PCIe ceiling [default: a pinned copy, measured]")
     a = ap.parse_args()
+    global HBM, PCIE
     names = [n for part in a.only.split(",") if part for n in (("qk", "av", "qattn") if part == "quant" else (part,))] or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
@@ -477,7 +483,10 @@ def main():
         sys.exit("bench/kernels.py needs a CUDA GPU")
     seed = int(time.time())
     torch.manual_seed(seed)
-    print(f"seed {seed}")
+    ceilings = floor_bandwidths(a.hbm_gbps, a.pcie_gbps, measure_hbm_gbps(DEV), measure_pcie_gbps(DEV))
+    HBM, PCIE = ceilings["hbm_gbps"], ceilings["pcie_gbps"]
+    print(f"seed {seed}; ceilings: HBM {HBM:.0f} GB/s ({ceilings['hbm_gbps_source']}), "
+          f"PCIe {PCIE:.1f} GB/s ({ceilings['pcie_gbps_source']})")
     t0 = time.perf_counter()
     rows, errors = [], {}
     for name in names:
@@ -491,7 +500,7 @@ def main():
         torch.cuda.empty_cache()
     env = environment(DEV)
     env["command"] = shlex.join(["python3", "bench/kernels.py", *sys.argv[1:]])
-    write_json(f"{a.out}/kernels.json", dict(environment=env, seed=seed, results=rows, errors=errors,
+    write_json(f"{a.out}/kernels.json", dict(environment=env, seed=seed, ceilings=ceilings, results=rows, errors=errors,
                                              seconds=time.perf_counter() - t0))
     print(f"\n{'kernel':58} {'check':5} {'ms':>8} {'GB/s':>8} {'of ceil':>7} {'baseline ms':>11} {'speedup':>7}")
     for r in rows:

@@ -51,6 +51,9 @@ def check_schema(res, methods, ctxs):
     b = res["bench"]
     assert b["methods"] == methods and b["ctxs"] == ctxs and b["decode_steps"] == 4 and b["warmup"] == 1
     assert positive(b["hbm_gbps"]) and positive(b["pcie_gbps"]) and "gpu_mem_limit_bytes" in b
+    for name in ("hbm_gbps", "pcie_gbps"):  # a CPU measures neither: the H200's figures, and it says so
+        assert b[f"{name}_source"] in ("flag", "measured", "H200 default")
+        assert (b[f"{name}_measured"] is None) == (res["env"]["device"] == "cpu")
     assert set(res["method_settings"]) == set(methods)
     assert [(c["method"], c["ctx"]) for c in res["cells"]] == [(mm, c) for c in ctxs for mm in methods]
     for c in res["cells"]:
@@ -277,6 +280,18 @@ def test_helpers():
     assert f["hbm_ms"] == pytest.approx(1.5) and f["kv_read_source"] == "tokens_attended"
     cell["stats"]["kv_read_bytes"] = 0  # a policy that says what it reads on the device wins
     assert B.floor_of(cell, 1e9, 1000, plan)["hbm_ms"] == pytest.approx(1.0)
+
+
+def test_floor_bandwidths_take_a_flag_then_the_measured_copy_then_the_h200s():
+    both = B.floor_bandwidths(None, None, 2988.0, 54.1)
+    assert (both["hbm_gbps"], both["hbm_gbps_source"], both["pcie_gbps"], both["pcie_gbps_source"]) == \
+        (2988.0, "measured", 54.1, "measured")
+    flag = B.floor_bandwidths(4300.0, None, 2988.0, None)
+    assert (flag["hbm_gbps"], flag["hbm_gbps_source"], flag["hbm_gbps_measured"]) == (4300.0, "flag", 2988.0)
+    assert (flag["pcie_gbps"], flag["pcie_gbps_source"]) == (B.PCIE_GBPS, "H200 default")
+    cpu = B.floor_bandwidths(None, None, None, None)
+    assert (cpu["hbm_gbps"], cpu["hbm_gbps_source"]) == (B.HBM_GBPS, "H200 default")
+    assert B.measure_hbm_gbps(torch.device("cpu")) is None and B.measure_pcie_gbps(torch.device("cpu")) is None
 
 
 def test_cpu_run_output_formats_and_defaults(tiny, tmp_path):

@@ -2,6 +2,7 @@
 ui.py calls register(main)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -214,8 +215,10 @@ def register(main: click.Group) -> click.Command:
     @click.option("--warmup", type=int, default=8, show_default=True, help="untimed decode steps first")
     @click.option("--batch", type=int, default=1, show_default=True)
     @click.option("--gpu-mem-limit", default=None, help="cap device memory, weights included, e.g. 24GiB")
-    @click.option("--hbm-gbps", type=float, default=4300.0, show_default=True, help="HBM bandwidth for the floor")
-    @click.option("--pcie-gbps", type=float, default=55.0, show_default=True, help="PCIe bandwidth for the floor")
+    @click.option("--hbm-gbps", type=float, default=None,
+                  help="HBM bandwidth for the floor  [default: measured, a device copy (read + write)]")
+    @click.option("--pcie-gbps", type=float, default=None,
+                  help="PCIe bandwidth for the floor  [default: measured, a pinned host-to-device copy]")
     @click.option("--out", default=None,
                   help="results folder (default bench/results/<date>-<model>/)")
     @click.option("--overwrite", is_flag=True, help="replace the results an earlier run left in --out")
@@ -253,7 +256,7 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     from tailorkv.engine.settings import METHODS
 
     for flag, gbps, example in (("--hbm-gbps", hbm_gbps, 4300), ("--pcie-gbps", pcie_gbps, 55)):
-        if not (gbps > 0 and math.isfinite(gbps)):
+        if gbps is not None and not (gbps > 0 and math.isfinite(gbps)):
             raise ui.UserError(f"{flag} must be a bandwidth above 0 GB/s, got {gbps}: e.g. {flag} {example}")
     names = ui.split_list(methods)
     bad = [m for m in names if m not in METHODS]
@@ -280,7 +283,7 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
                                                    dt, click.get_current_context(), batch)
     plan = B.BenchPlan(ctxs=ctx_list, methods=names, settings=settings,
                        decode_steps=decode_steps, warmup=warmup, batch=batch, seed=seed,
-                       hbm_gbps=hbm_gbps, pcie_gbps=pcie_gbps, cuda_graph=cuda_graph, profile_steps=profile_steps,
+                       cuda_graph=cuda_graph, profile_steps=profile_steps,
                        profile_prefill=profile_prefill)
     plan.validate(cfg.max_context)
     check_batch_fits(cfg, batch, max(ctx_list), dt, dev, limit)
@@ -310,7 +313,8 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
         given = [f for f, on in (("--profile", profile_steps), ("--profile-prefill", profile_prefill)) if on]
         need = "their stage breakdowns need" if len(given) == 2 else "its stage breakdown needs"
         ui.err.print(f"[yellow]{' and '.join(given)} ignored: {need} a GPU[/]")
-    hbm_measured = B.measure_hbm_gbps(dev)
+    bandwidths = B.floor_bandwidths(hbm_gbps, pcie_gbps, B.measure_hbm_gbps(dev), B.measure_pcie_gbps(dev))
+    plan = dataclasses.replace(plan, hbm_gbps=bandwidths["hbm_gbps"], pcie_gbps=bandwidths["pcie_gbps"])
     torch.manual_seed(seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)
 
@@ -321,14 +325,15 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
     cells: list[dict] = []
 
     def save():
-        R.write_json(json_path, B.results(loaded, plan, cells, env, command, args, hbm_measured, limit))
+        R.write_json(json_path, B.results(loaded, plan, cells, env, command, args, bandwidths, limit))
 
     con = Console(highlight=False, stderr=fmt is not None)  # with --output, stdout holds only that
     if not con.is_terminal:  # a log file: room for every column
         con = Console(highlight=False, stderr=fmt is not None, width=max(con.width, 160))
     on_gpu = dev.type == "cuda"
     dev_name = env["gpu"] or str(dev)
-    note = (f"; floor: weights + KV read at {hbm_gbps:.0f} GB/s vs PCIe bytes at {pcie_gbps:.0f} GB/s" if on_gpu
+    note = (f"; floor: weights + KV read at {plan.hbm_gbps:.0f} GB/s ({bandwidths['hbm_gbps_source']}) vs PCIe bytes "
+            f"at {plan.pcie_gbps:.0f} GB/s ({bandwidths['pcie_gbps_source']})" if on_gpu
             else "; prompt = tokens prefilled (ctx less warm-up, timed steps and a margin)")
     if plan.batch > 1:
         note += f"; ms/tok = one step, a token for each of the {plan.batch} sequences; tok/s counts all of them"
@@ -368,7 +373,7 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
         con.print()
         if interrupted:
             if cells:  # the plots of the cells saved, not an earlier run's beside them; -o gets them too
-                res = B.results(loaded, plan, cells, env, command, args, hbm_measured, limit)
+                res = B.results(loaded, plan, cells, env, command, args, bandwidths, limit)
                 plot_all(res, out)
                 if fmt is not None:
                     click.echo(render(res, fmt))
@@ -379,7 +384,7 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
             raise ui.Interrupted(f"{kept}; run the command again{again} to measure every cell")
     if not cells:
         return
-    res = B.results(loaded, plan, cells, env, command, args, hbm_measured, limit)
+    res = B.results(loaded, plan, cells, env, command, args, bandwidths, limit)
     pngs = plot_all(res, out)
     for c in cells:
         if c["status"] != "ok":

@@ -103,6 +103,43 @@ def process_rss() -> int | None:
         return None
 
 
+def measure_pcie_gbps(device: torch.device, nbytes: int = 256 << 20, iters: int = 5) -> float | None:
+    """Pinned host-to-device copy bandwidth (the DMA engine's); None off GPU."""
+    if device.type != "cuda":
+        return None
+    try:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dev.copy_(host, non_blocking=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(iters):
+            dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / iters
+        del host, dev
+        torch.cuda.empty_cache()
+        return nbytes / (ms / 1e3) / 1e9
+    except RuntimeError:  # out of memory (device or pinned host)
+        torch.cuda.empty_cache()
+        return None
+
+
+def floor_bandwidths(hbm_flag: float | None, pcie_flag: float | None, hbm_measured: float | None,
+                     pcie_measured: float | None) -> dict:
+    """The bandwidths the floor divides by: the flag where given, else this machine's measured copy, else the H200's
+    figures (HBM_GBPS, PCIE_GBPS); with each, where it came from and what was measured."""
+    out = {}
+    for name, flag, measured, default in (("hbm_gbps", hbm_flag, hbm_measured, HBM_GBPS),
+                                          ("pcie_gbps", pcie_flag, pcie_measured, PCIE_GBPS)):
+        value, source = ((flag, "flag") if flag is not None else (measured, "measured") if measured
+                         else (default, "H200 default"))
+        out.update({name: value, f"{name}_source": source, f"{name}_measured": measured})
+    return out
+
+
 def measure_hbm_gbps(device: torch.device, nbytes: int = 512 << 20, iters: int = 20) -> float | None:
     """Device-to-device copy bandwidth, counting read + write (as DESIGN.md's 4.3 TB/s); None off GPU."""
     if device.type != "cuda":
@@ -384,7 +421,8 @@ def model_info(loaded) -> dict:
 
 
 def results(loaded, plan: BenchPlan, cells: list[dict], env: dict, command: str, args: dict,
-            hbm_measured: float | None, gpu_mem_limit: int | None) -> dict:
+            bandwidths: dict, gpu_mem_limit: int | None) -> dict:
+    """bandwidths: floor_bandwidths' dict (the plan holds the values it picked)."""
     return {
         "schema": 1,
         "command": command,
@@ -393,7 +431,7 @@ def results(loaded, plan: BenchPlan, cells: list[dict], env: dict, command: str,
         "model": model_info(loaded),
         "bench": {"ctxs": plan.ctxs, "methods": plan.methods, "decode_steps": plan.decode_steps,
                   "warmup": plan.warmup, "batch": plan.batch, "seed": plan.seed, "margin": plan.margin,
-                  "hbm_gbps": plan.hbm_gbps, "hbm_gbps_measured": hbm_measured, "pcie_gbps": plan.pcie_gbps,
+                  **bandwidths, "hbm_gbps": plan.hbm_gbps, "pcie_gbps": plan.pcie_gbps,
                   "gpu_mem_limit_bytes": gpu_mem_limit},
         "method_settings": {m: plan.settings_for(m).to_dict() for m in plan.methods},
         "complete": len(cells) == len(plan.ctxs) * len(plan.methods),  # false: interrupted, these cells saved
