@@ -77,8 +77,9 @@ def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtyp
     """A sparse layer's sink and tail slots and max|K|, and its share of the scheduler's buffers (predict_ahead + 1
     sets, by layer, each for the largest step: the paper's K^T rows of r channels and fp32 scores over the
     middle; sketch-ahead's top-K positions and gathered K/V rows, or with its row caches the positions only; the
-    synchronous sketch has none) and sketch-ahead's row cache if on."""
+    synchronous sketch has none) and the layer's row cache if on (sketch-ahead's, or the paper path's K^T rows)."""
     from tailorkv.engine.policies.row_cache import RowCache
+    from tailorkv.engine.policies.selection import ChannelSelector
     from tailorkv.engine.policies.sketch import SketchSelector
     from tailorkv.engine.policies.sparse import FLUSH
     hd, kv = cfg.head_dim, cfg.n_kv_heads
@@ -87,7 +88,7 @@ def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtyp
     if settings.select == "sketch-ahead":
         buffers = settings.topk * 8
         if SketchSelector.REUSE_ROWS:  # each layer's own
-            rows = RowCache.bytes_for(batch, kv, hd, settings.topk, dtype_bytes)
+            rows = RowCache.bytes_for(batch, kv, settings.topk, 2 * hd * dtype_bytes)
         else:
             buffers += settings.topk * 2 * hd * dtype_bytes  # the gathered rows, two sets
     elif settings.sketched:
@@ -95,7 +96,12 @@ def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtyp
     else:
         r = min(settings.channels, hd)
         kt = dtype_bytes if settings.kt_bits == 16 else 1
-        buffers = max(0, ctx - settings.sink) * (r * kt + 4) + 8 * r  # + the r channel indices
+        middle = max(0, ctx - settings.sink)
+        if ChannelSelector.REUSE_ROWS:  # each layer's own K^T rows; the sets keep the scores and channels
+            rows = RowCache.bytes_for(batch, kv, r, ctx * kt)
+            buffers = middle * 4 + 8 * r
+        else:
+            buffers = middle * (r * kt + 4) + 8 * r  # + the r channel indices
     return batch * kv * slots + rows + (settings.predict_ahead + 1) * batch * kv * buffers // max(1, cfg.n_layers)
 
 

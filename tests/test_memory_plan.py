@@ -82,9 +82,11 @@ def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for(reuse
     """The sparse layers' scheduler buffers in the estimate are those each selector asks the scheduler for at the
     largest step (two sets shared by all layers): the paper's K^T rows and scores over the middle, none for the
     synchronous sketch, top-K positions and gathered rows for sketch-ahead, only the positions with its row cache),
-    and sketch-ahead's row cache (each layer's own) when on."""
+    and the row caches (each layer's own: sketch-ahead's K/V rows, the paper path's K^T rows) when on."""
+    from tailorkv.engine.policies.selection import ChannelSelector
     from tailorkv.engine.policies.sketch import SketchSelector
     monkeypatch.setattr(SketchSelector, "REUSE_ROWS", reuse)
+    monkeypatch.setattr(ChannelSelector, "REUSE_ROWS", reuse)
     import math
     import torch
     from tailorkv.engine.cache import LayerSpec
@@ -101,5 +103,5 @@ def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for(reuse
         asked = sum(math.prod(most) * torch.empty(0, dtype=dt).element_size()
                     for _, most, dt in layer.selector.buffers(layer).values())
         own = layer.selector.device_bytes()
-        assert (select == "sketch-ahead" and reuse) == (own > 0)
+        assert (select in ("sketch-ahead", "channels") and reuse) == (own > 0)
         assert sparse_layer_bytes(cfg, s, ctx, 1, 2) - none == 2 * asked // cfg.n_layers + own, select

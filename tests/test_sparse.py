@@ -455,6 +455,39 @@ def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(
     assert torch.equal(rows_v, lay.host_v.gather(2, seen[-1][..., None].expand(-1, -1, -1, D2)))
 
 
+def test_the_channel_row_cache_reads_only_new_channels_and_changes_no_step(gen, small_flush, monkeypatch):
+    """The paper's path with a K^T row cache (ChannelSelector.REUSE_ROWS): across steps that keep some channels,
+    flushes (the middle grows: every row is read again) and a second turn, every step equals the path without it up
+    to the order of the summed channels; the rows held are the host K^T rows of the channels held; the counters
+    say fewer rows were read from host than were chosen."""
+    B, hq, hkv, D = 1, 6, 2, 32
+    spec = spec_of(hq, hkv, D, B, max_len=600)
+    st = settings(budget=8 + 40 + 16, sink=8, recent=16, channels=6)
+    plain = One(SparseOffloadCache(spec, st))
+    monkeypatch.setattr(ChannelSelector, "REUSE_ROWS", True)
+    held = One(SparseOffloadCache(spec, st))
+    assert plain.policy.selector.row_cache is None and held.policy.selector.row_cache is not None
+    q, K, V = qkv(gen, B, hq, hkv, 300, D)
+    assert rel_err(held.attend(q, K, V, 0), plain.attend(q, K, V, 0)) < 1e-6
+    pos, drift, checked = 300, torch.randn(B, hq, 1, D, generator=gen), 0
+    for T in [1] * 20 + [9] + [1] * 12:
+        q1, k1, v1 = qkv(gen, B, hq, hkv, T, D)
+        q_hat = drift + 0.3 * torch.randn(B, hq, 1, D, generator=gen) if T == 1 else None  # channels mostly kept
+        assert rel_err(held.attend(q1, k1, v1, pos, q_hat=q_hat), plain.attend(q1, k1, v1, pos, q_hat=q_hat)) < 1e-5
+        pos += T
+        lay, lo = held.policy, held.policy.sink
+        chans, rows = lay.selector.held_rows(lay)
+        if T > 1 or (chans < 0).any():   # a flush after the step: the rows are read again next step
+            continue
+        n = lay.tail_start - lo   # the bucket's positions past the middle are not written (masked)
+        want = lay.kt.host[:, :, :, lo:lo + n].gather(2, chans[..., None].expand(-1, -1, -1, n))
+        assert torch.equal(rows[..., :n], want)
+        checked += 1
+    totals = held.policy.totals()
+    assert checked > 10 and plain.policy.totals() == {}
+    assert 0 < totals["kt_rows_read"] < totals["kt_rows_chosen"] == 32 * B * hkv * 6
+
+
 @pytest.mark.parametrize("ahead", [1, 2, 4])
 def test_sketch_ahead_narrows_the_sketch_grid_by_how_far_ahead_the_query_is_predicted(gen, ahead, monkeypatch):
     """The sketch kernel ahead of its layer runs on AHEAD_BLOCKS_PER_SM[1] blocks per SM one layer ahead,

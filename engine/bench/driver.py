@@ -302,6 +302,10 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
         read, chosen = (totals[k] - totals_before[k] for k in ("rows_read", "rows_chosen"))
         out["row_cache"] = {"rows_read": read, "rows_chosen": chosen, "read_share": read / max(1, chosen)}
         out["stats"]["bytes_fetched"] *= out["row_cache"]["read_share"]
+    elif "kt_rows_read" in totals:  # the paper path's K^T rows: only those reads shrink
+        read, chosen = (totals[k] - totals_before[k] for k in ("kt_rows_read", "kt_rows_chosen"))
+        out["row_cache"] = {"rows_read": read, "rows_chosen": chosen, "read_share": read / max(1, chosen)}
+        out["stats"]["bytes_fetched"] -= out["stats"].get("kt_bytes", 0) * (1 - out["row_cache"]["read_share"])
     out["tokens_held"] = cache.length
     out["greedy_tokens"] = torch.cat(decoded, 1)[0].tolist()  # row 0's greedy tokens, prefill's first
     out["topk_searches"] = {"searched_whole": totals["topk_searched_whole"], "selected": totals["topk_selected"]} \

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from tailorkv.engine.policies.row_cache import RowCache
 from tailorkv.ops.host_gather import gather_rows
+from tailorkv.ops.row_cache import refresh_rows
 from tailorkv.ops.attention import softmax_scale
 from tailorkv.ops.sparse_select import (approx_scores, channel_scores, combine_heads, head_scores, topk_channels,
                                        topk_tokens)
@@ -25,6 +27,9 @@ class TokenSelector:
 
     def reset(self) -> None:
         """Forget what earlier steps left (the layer's cache was reset)."""
+
+    def middle_changed(self) -> None:
+        """The middle [sink, tail_start) grew (a flush): rows fetched over the old one are stale."""
 
     def device_bytes(self) -> int:
         """Device memory the selector keeps for its layer (not the scheduler's shared buffers)."""
@@ -58,32 +63,68 @@ class ChannelSelector(TokenSelector):
     r channels per KV head; their K^T rows over the middle come from host memory; approximate scores of the
     current query over those channels, the group's heads combined by `rule` (the paper's: summed logits; lse /
     psum: ops.sparse_select.combine_heads), pick the top-K tokens per KV head. A middle of at most K tokens is
-    taken whole (no scoring)."""
+    taken whole (no scoring). With a row cache (REUSE_ROWS) the layer keeps its last step's K^T rows on the device
+    and reads only the channels it did not choose the step before (the rows' slots are then in the cache's order)."""
     fetches_ahead = True
+    # Consecutive steps choose mostly the same channels (SmolLM2-135M over essay text at 4k on the CPU: 75% of a
+    # layer's r = 12 picks were the step before's; with random weights 73%: bench/probes/channel_reuse.py); the rows
+    # are refetched whole after a flush (every FLUSH steps). Costs each layer r rows over the largest middle.
+    REUSE_ROWS = False
 
-    def __init__(self, rule: str, channel_rule: str):
+    def __init__(self, rule: str, channel_rule: str, spec=None, r: int = 0, kt_dtype=None):
         self.rule, self.channel_rule = rule, channel_rule
+        use = self.REUSE_ROWS and spec is not None and r > 0
+        self.row_cache = RowCache(spec, r, spec.max_len, kt_dtype) if use else None
+
+    def reset(self) -> None:
+        if self.row_cache is not None:
+            self.row_cache.reset()
+
+    def middle_changed(self) -> None:
+        if self.row_cache is not None:
+            self.row_cache.forget()
+
+    def device_bytes(self) -> int:
+        return self.row_cache.device_bytes() if self.row_cache is not None else 0
+
+    def totals(self) -> dict:
+        """With a row cache: K^T rows read from host, rows chosen."""
+        if self.row_cache is None:
+            return {}
+        read, chosen = self.row_cache.counts.tolist()
+        return {"kt_rows_read": read, "kt_rows_chosen": chosen}
 
     def buffers(self, layer):
         s, n, most = layer.spec, layer.middle_bucket, layer.most_middle()
         B, H, r = s.batch, s.n_kv_heads, layer.r
-        return {"kt_rows": ((B, H, r, n), (B * H * r * most,), layer.kt.dtype),
-                "scores": ((B, H, n), (B * H * most,), torch.float32),
+        held = {} if self.row_cache is not None else {"kt_rows": ((B, H, r, n), (B * H * r * most,), layer.kt.dtype)}
+        return {**held, "scores": ((B, H, n), (B * H * most,), torch.float32),
                 "channels": ((B, H, r), (B * H * r,), torch.long)}
 
     def prefetch(self, layer, q_sel):
         """The r channels per KV head from q_sel and their K^T rows over the middle's bucket, into the layer's
-        buffers `channels` [B, Hkv, r] and `kt_rows` [B, Hkv, r, n]."""
+        buffers `channels` [B, Hkv, r] and `kt_rows` [B, Hkv, r, n] (or its row cache)."""
         lo, n = layer.sink, layer.middle_bucket
         chans = layer.buffer("channels")
         chans.copy_(self.channels(layer, q_sel))
-        gather_rows(layer.kt.host[:, :, :, lo:lo + n], chans, q_sel.device, out=layer.buffer("kt_rows"))
+        host = layer.kt.host[:, :, :, lo:lo + n]
+        if self.row_cache is None:
+            gather_rows(host, chans, q_sel.device, out=layer.buffer("kt_rows"))
+        else:
+            cache = self.row_cache
+            refresh_rows(host, chans, cache.slots, cache.view(n), 0, layer.spec.head_dim, cache.counts)
+
+    def held_rows(self, layer):
+        """(channels [B, Hkv, r], their K^T rows [B, Hkv, r, n]) of this step, slot by slot."""
+        if self.row_cache is None:
+            return layer.buffer("channels"), layer.buffer("kt_rows")
+        return self.row_cache.slots, self.row_cache.view(layer.middle_bucket)
 
     def select(self, layer, q):
         lo, n, k = layer.sink, layer.middle_bucket, layer.topk
         if layer.middle_whole:
             return layer.whole_middle(q)
-        chans, rows = layer.buffer("channels"), layer.buffer("kt_rows")
+        chans, rows = self.held_rows(layer)
         scale = softmax_scale(q.shape[-1])
         q = layer.kt.query(q)  # scaled as the rows are stored
         if self.rule in ("sum", "lse"):  # one fused pass: the paper's summed logits, or their lse
@@ -121,6 +162,9 @@ class ObservedSelector(TokenSelector):
 
     def reset(self):
         self.inner.reset()
+
+    def middle_changed(self):
+        self.inner.middle_changed()
 
     def device_bytes(self):
         return self.inner.device_bytes()

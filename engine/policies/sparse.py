@@ -63,17 +63,17 @@ class SparseOffloadCache(LayerCache):
         if spec.layer_idx in (settings.own_query_layers or []):  # its one-layer-early prediction is poor
             self.wants_query_prediction = False
         self.sketch = None
+        self.kt = KtStore(spec, settings.kt_bits) if not settings.sketched else None  # the paper's K^T
         if settings.sketched:
             self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink, self.topk)
             self.selector = SketchSelector.of(settings, spec, self.topk)
         else:
-            self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule)
+            self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule, spec, self.r, self.kt.dtype)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
         # a token's K and V rows side by side (one 2D-row run per token and head): the decode step reads both;
         # sketch-ahead reads its rows beside the GEMVs, from large GPU pages (ops/host_memory.py)
         self.host_kv = host_empty((B, H, N, 2, D), spec.dtype, spec.device, settings.select == "sketch-ahead")
         self.host_k, self.host_v = self.host_kv[:, :, :, 0], self.host_kv[:, :, :, 1]
-        self.kt = KtStore(spec, settings.kt_bits) if self.sketch is None else None  # the paper's K^T
         dev = dict(dtype=spec.dtype, device=spec.device)
         self.dev_k = torch.zeros(B, H, self.sink + self.cap, D, **dev)
         self.dev_v = torch.zeros_like(self.dev_k)
@@ -102,6 +102,7 @@ class SparseOffloadCache(LayerCache):
     def _set_tail_start(self, pos: int) -> None:
         self.tail_start = pos
         self.tail_start_dev.fill_(pos)
+        self.selector.middle_changed()
 
     def regions(self) -> dict[str, range]:
         return {"sink": range(0, min(self.sink, self.held)),
@@ -189,7 +190,7 @@ class SparseOffloadCache(LayerCache):
         gathered = self.whole_width if self.middle_whole else self.topk if mid > 0 else 0
         on_device = min(self.sink, step.end) + max(0, step.end - self.tail_start)
         self.last = {"tokens_fetched": fetched, "bytes_fetched": kt_bytes + 2 * gathered * row,
-                     "middle_tokens": mid, "tokens_attended": on_device + fetched}
+                     "kt_bytes": kt_bytes, "middle_tokens": mid, "tokens_attended": on_device + fetched}
         kind = "whole" if self.middle_whole else "none" if mid <= 0 else "select"
         return kind, self.whole_width or self.middle_bucket
 
