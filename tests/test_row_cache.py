@@ -125,3 +125,28 @@ def test_the_kernel_replays_from_a_cuda_graph(gen):
         g.replay()
         torch.cuda.synchronize()
         check_state(host, pos, slots, rows, before)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_kernel_keeps_k_transposed_channel_rows(gen, dtype):
+    """The paper path's K^T row cache (ChannelSelector.REUSE_ROWS): rows are 12 of 128 channels per KV head over a
+    bucket of the middle (a slice of each row, 64 KiB), positions are channels (lo 0, n 128); 16- and 8-bit stores."""
+    B, H, D, N, lo, n, r = 1, 8, 128, 40000, 64, 32768, 12
+    raw = lambda t: t.view(torch.int16 if t.element_size() == 2 else torch.uint8)  # noqa: E731  (e4m3: no equal)
+    store = torch.randn(B, H, D, N, generator=gen).to(dtype).pin_memory()
+    host = store[:, :, :, lo:lo + n]
+    state = {name: [torch.full((B, H, r), -1, dtype=torch.long, device="cuda"),
+                    torch.zeros(B, H, r, n, device="cuda").to(dtype), torch.zeros(2, dtype=torch.long, device="cuda")]
+             for name in ("kernel", "reference")}
+    for pos in selections(gen, B * H, D, r, 6, 0.75):
+        pos = pos.reshape(B, H, r).cuda()
+        refresh_rows(host, pos, *state["kernel"][:2], 0, D, state["kernel"][2])
+        refresh_rows.reference(host, pos, *state["reference"][:2], 0, D, state["reference"][2])
+        torch.cuda.synchronize()
+        (slots, rows, counts), (slots_ref, rows_ref, counts_ref) = state["kernel"], state["reference"]
+        assert torch.equal(slots, slots_ref) and torch.equal(counts, counts_ref)
+        assert torch.equal(raw(rows), raw(rows_ref))
+        want = raw(host).gather(2, slots.cpu()[..., None].expand(-1, -1, -1, n))
+        assert torch.equal(raw(rows).cpu(), want)
+    assert 0 < state["kernel"][2][0] < state["kernel"][2][1] == 6 * B * H * r
