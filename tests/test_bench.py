@@ -95,6 +95,21 @@ def test_sweep_writes_json_and_plots(tiny, tmp_path):
     assert "full" in r.output and "cells ok" in r.output
 
 
+def test_the_channel_row_cache_shrinks_only_the_k_transposed_bytes(tiny, tmp_path, monkeypatch):
+    """With ChannelSelector.REUSE_ROWS the cell records the K^T rows read of those chosen, and its PCIe bytes fall
+    by the K^T rows not read again (the K/V rows of the chosen tokens are read as before)."""
+    from tailorkv.engine.policies.selection import ChannelSelector
+    args = ["--model", tiny, "--ctx", "512", "--methods", "tailorkv", *FAST]
+    assert bench_cmd(*args, "--out", str(tmp_path / "plain")).exit_code == 0
+    monkeypatch.setattr(ChannelSelector, "REUSE_ROWS", True)
+    assert bench_cmd(*args, "--out", str(tmp_path / "held")).exit_code == 0
+    plain, held = (load(tmp_path / d / "bench.json")["cells"][0] for d in ("plain", "held"))
+    assert plain["row_cache"] is None
+    rc, kt = held["row_cache"], held["stats"]["kt_bytes"]
+    assert 0 < rc["rows_read"] < rc["rows_chosen"] and kt == plain["stats"]["kt_bytes"] > 0
+    assert held["stats"]["bytes_fetched"] == pytest.approx(plain["stats"]["bytes_fetched"] - kt * (1 - rc["read_share"]))
+
+
 def test_an_earlier_run_is_replaced_only_with_overwrite(tiny, tmp_path):
     out = tmp_path / "b"
     out.mkdir()
