@@ -107,24 +107,8 @@ def measure_pcie_gbps(device: torch.device, nbytes: int = 256 << 20, iters: int 
     """Pinned host-to-device copy bandwidth (the DMA engine's); None off GPU."""
     if device.type != "cuda":
         return None
-    try:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dev.copy_(host, non_blocking=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        for _ in range(iters):
-            dev.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end) / iters
-        del host, dev
-        torch.cuda.empty_cache()
-        return nbytes / (ms / 1e3) / 1e9
-    except RuntimeError:  # out of memory (device or pinned host)
-        torch.cuda.empty_cache()
-        return None
+    return _copy_gbps(device, lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes, iters, 1,
+                      warmup=1)
 
 
 def floor_bandwidths(hbm_flag: float | None, pcie_flag: float | None, hbm_measured: float | None,
@@ -144,23 +128,30 @@ def measure_hbm_gbps(device: torch.device, nbytes: int = 512 << 20, iters: int =
     """Device-to-device copy bandwidth, counting read + write (as DESIGN.md's 4.3 TB/s); None off GPU."""
     if device.type != "cuda":
         return None
+    return _copy_gbps(device, lambda: torch.empty(nbytes, dtype=torch.uint8, device=device), nbytes, iters, 2,
+                      warmup=3)
+
+
+def _copy_gbps(device: torch.device, source, nbytes: int, iters: int, passes: int, warmup: int) -> float | None:
+    """GB/s of copying source() (nbytes) into device memory, `passes` x nbytes counted per copy (CUDA events over
+    iters copies after `warmup`); None when either buffer does not fit (a tight --gpu-mem-limit, pinned memory)."""
     try:
-        a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        b = torch.empty_like(a)
-        for _ in range(3):
-            b.copy_(a)
+        src = source()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        for _ in range(warmup):
+            dst.copy_(src, non_blocking=True)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
         start.record()
         for _ in range(iters):
-            b.copy_(a)
+            dst.copy_(src, non_blocking=True)
         end.record()
         end.synchronize()
         ms = start.elapsed_time(end) / iters
-        del a, b
+        del src, dst
         torch.cuda.empty_cache()
-        return 2 * nbytes / (ms / 1e3) / 1e9
-    except RuntimeError:  # out of memory under a tight --gpu-mem-limit
+        return passes * nbytes / (ms / 1e3) / 1e9
+    except RuntimeError:
         torch.cuda.empty_cache()
         return None
 
@@ -298,14 +289,15 @@ def _measure(loaded, settings: MethodSettings, ctx: int, plan: BenchPlan, on_pha
     out["stats"] = _median_stats(step_stats)
     totals = cache.totals()
     out["row_cache"] = None
-    if "rows_read" in totals:  # the plan counts every chosen row; the row caches read only the new ones
-        read, chosen = (totals[k] - totals_before[k] for k in ("rows_read", "rows_chosen"))
-        out["row_cache"] = {"rows_read": read, "rows_chosen": chosen, "read_share": read / max(1, chosen)}
-        out["stats"]["bytes_fetched"] *= out["row_cache"]["read_share"]
-    elif "kt_rows_read" in totals:  # the paper path's K^T rows: only those reads shrink
-        read, chosen = (totals[k] - totals_before[k] for k in ("kt_rows_read", "kt_rows_chosen"))
-        out["row_cache"] = {"rows_read": read, "rows_chosen": chosen, "read_share": read / max(1, chosen)}
-        out["stats"]["bytes_fetched"] -= out["stats"].get("kt_bytes", 0) * (1 - out["row_cache"]["read_share"])
+    # the plan counts every chosen row; a row cache reads only the new ones: all the fetched bytes of sketch-ahead's
+    # K/V rows, the K^T part of the paper path's
+    for counters, cached in ((("rows_read", "rows_chosen"), None), (("kt_rows_read", "kt_rows_chosen"), "kt_bytes")):
+        if counters[0] in totals:
+            read, chosen = (totals[k] - totals_before[k] for k in counters)
+            share = read / max(1, chosen)
+            out["row_cache"] = {"rows_read": read, "rows_chosen": chosen, "read_share": share}
+            stats = out["stats"]
+            stats["bytes_fetched"] -= stats["bytes_fetched" if cached is None else cached] * (1 - share)
     out["tokens_held"] = cache.length
     out["greedy_tokens"] = torch.cat(decoded, 1)[0].tolist()  # row 0's greedy tokens, prefill's first
     out["topk_searches"] = {"searched_whole": totals["topk_searched_whole"], "selected": totals["topk_selected"]} \

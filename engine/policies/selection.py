@@ -19,6 +19,8 @@ from tailorkv.ops.sparse_select import (approx_scores, channel_scores, combine_h
 
 class TokenSelector:
     fetches_ahead = False  # True: prefetch() has work to start on the copy stream from the predicted query
+    row_cache = None       # a RowCache of the rows it chose last step, if the selector keeps one for its layer
+    COUNTERS = ("rows_read", "rows_chosen")  # the row cache's counts, as totals() names them
 
     def buffers(self, layer) -> dict:
         """The scheduler buffers this selector fills for the layer's decode step: name -> (shape of this step,
@@ -27,17 +29,22 @@ class TokenSelector:
 
     def reset(self) -> None:
         """Forget what earlier steps left (the layer's cache was reset)."""
+        if self.row_cache is not None:
+            self.row_cache.reset()
 
     def middle_changed(self) -> None:
         """The middle [sink, tail_start) grew (a flush): rows fetched over the old one are stale."""
 
     def device_bytes(self) -> int:
         """Device memory the selector keeps for its layer (not the scheduler's shared buffers)."""
-        return 0
+        return self.row_cache.device_bytes() if self.row_cache is not None else 0
 
     def totals(self) -> dict:
-        """Its device counters since reset (LayerCache.totals)."""
-        return {}
+        """Its device counters since reset (LayerCache.totals): with a row cache, rows read from host and rows
+        chosen."""
+        if self.row_cache is None:
+            return {}
+        return dict(zip(self.COUNTERS, self.row_cache.counts.tolist()))
 
     def rows(self, layer):
         """(K rows, V rows) [B, Hkv, K, D] of the selected positions when the selector gathered them into device
@@ -70,29 +77,16 @@ class ChannelSelector(TokenSelector):
     # layer's r = 12 picks were the step before's; with random weights 73%: bench/probes/channel_reuse.py); the rows
     # are refetched whole after a flush (every FLUSH steps). Costs each layer r rows over the largest middle.
     REUSE_ROWS = False
+    COUNTERS = ("kt_rows_read", "kt_rows_chosen")
 
     def __init__(self, rule: str, channel_rule: str, spec=None, r: int = 0, kt_dtype=None):
         self.rule, self.channel_rule = rule, channel_rule
         use = self.REUSE_ROWS and spec is not None and r > 0
         self.row_cache = RowCache(spec, r, spec.max_len, kt_dtype) if use else None
 
-    def reset(self) -> None:
-        if self.row_cache is not None:
-            self.row_cache.reset()
-
     def middle_changed(self) -> None:
         if self.row_cache is not None:
             self.row_cache.forget()
-
-    def device_bytes(self) -> int:
-        return self.row_cache.device_bytes() if self.row_cache is not None else 0
-
-    def totals(self) -> dict:
-        """With a row cache: K^T rows read from host, rows chosen."""
-        if self.row_cache is None:
-            return {}
-        read, chosen = self.row_cache.counts.tolist()
-        return {"kt_rows_read": read, "kt_rows_chosen": chosen}
 
     def buffers(self, layer):
         s, n, most = layer.spec, layer.middle_bucket, layer.most_middle()

@@ -136,21 +136,7 @@ class SketchSelector(TokenSelector):
                  ahead_grid: float | None = None):
         self.rule, self.ahead, self.ahead_grid = rule, ahead, ahead_grid
         use = ahead and self.REUSE_ROWS and spec is not None and topk > 0
-        self.row_cache = RowCache(spec, topk) if use else None
-
-    def reset(self) -> None:
-        if self.row_cache is not None:
-            self.row_cache.reset()
-
-    def device_bytes(self) -> int:
-        return self.row_cache.device_bytes() if self.row_cache is not None else 0
-
-    def totals(self) -> dict:
-        """With a row cache: rows read from host, rows chosen (the plan counts every chosen row)."""
-        if self.row_cache is None:
-            return {}
-        read, chosen = self.row_cache.counts.tolist()
-        return {"rows_read": read, "rows_chosen": chosen}
+        self.row_cache = RowCache(spec, topk) if use else None  # its counts: the plan counts every chosen row
 
     @property
     def fetches_ahead(self) -> bool:
