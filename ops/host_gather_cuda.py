@@ -58,17 +58,17 @@ extern "C" __global__ void gather_long_rows_w{W}(const unsigned long long src_ad
     for (int w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];
 }}
 """
-_WORDS = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+WORDS = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 
 
 def load(reference):
     """reference: the torch gather_rows, for the arguments the kernel does not take."""
     import cupy
 
-    mod = compile_module("\n".join(src.format(W=w, T=t, U=UNROLL) for w, t in _WORDS.items()
+    mod = compile_module("\n".join(src.format(W=w, T=t, U=UNROLL) for w, t in WORDS.items()
                                    for src in (_SOURCE, _ROW_SOURCE)))
-    kernels = {w: mod.get_function(f"gather_rows_w{w}") for w in _WORDS}
-    row_kernels = {w: mod.get_function(f"gather_long_rows_w{w}") for w in _WORDS}
+    kernels = {w: mod.get_function(f"gather_rows_w{w}") for w in WORDS}
+    row_kernels = {w: mod.get_function(f"gather_long_rows_w{w}") for w in WORDS}
     if not cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["unifiedAddressing"]:
         raise RuntimeError("no unified addressing: pinned host pointers are not device pointers")
 
@@ -88,7 +88,7 @@ def load(reference):
             return out
         src = host.data_ptr()  # pinned memory under UVA: the host address is the device address
         byte_steps = [host.stride(0) * elt, host.stride(1) * elt, host.stride(2) * elt, X * elt, src]
-        w = next(w for w in _WORDS if all(s % w == 0 for s in byte_steps))
+        w = next(w for w in WORDS if all(s % w == 0 for s in byte_steps))
         idx64 = idx if idx.dtype == torch.int64 and idx.is_contiguous() else idx.to(torch.int64).contiguous()
         words = X * elt // w
         strides = (np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),

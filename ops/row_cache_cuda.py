@@ -2,7 +2,8 @@
 A bitmap of the row's range [lo, lo + n) in shared memory marks the new positions; each cached slot tests and clears
 its position's bit (a kept slot); a prefix sum over the slots not kept lists the free ones in slot order, one over
 the bitmap's words lists the positions still marked in ascending order, and the j-th goes to the j-th free slot.
-Then the block reads those rows from pinned host memory (16-byte words, UNROLL reads in flight per thread) into
+Then the block reads those rows from pinned host memory (the widest word of 16, 8, 4, 2 or 1 bytes that divides the
+row length, strides and base; UNROLL reads in flight per thread) into
 their slots. One block per row keeps the read off most SMs (the compute stream's); the reads in flight, 8 rows x
 1024 threads x UNROLL x 16 bytes, cover PCIe's latency."""
 from __future__ import annotations
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr, ptr_or_null
+from tailorkv.ops.host_gather_cuda import WORDS
 from tailorkv.ops.radix_select_cuda import RADIX_SELECT
 
 THREADS, UNROLL = 1024, 4
@@ -21,9 +23,9 @@ _HEADER = """
 #define UNROLL {unroll}
 """
 _SOURCE = r"""
-extern "C" __global__ void __launch_bounds__(THREADS) refresh_rows_kernel(
+extern "C" __global__ void __launch_bounds__(THREADS) refresh_rows_wN(
         const unsigned long long src_addr, const long long* __restrict__ pos, long long* __restrict__ slots,
-        uint4* __restrict__ rows, const int H, const int K, const long long sb, const long long sh,
+        WORD* __restrict__ rows, const int H, const int K, const long long sb, const long long sh,
         const long long sn, const int words, const long long lo, const int n,
         unsigned long long* __restrict__ counts) {
     extern __shared__ unsigned smem[];
@@ -83,11 +85,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) refresh_rows_kernel(
         atomicAdd(counts + 1, (unsigned long long)K);
     }
     const int b = r / H, h = r % H;
-    const uint4* src = (const uint4*)src_addr + b * sb + h * sh;
-    uint4* dst = rows + (long long)r * K * words;
+    const WORD* src = (const WORD*)src_addr + b * sb + h * sh;
+    WORD* dst = rows + (long long)r * K * words;
     const int items = nnew * words;
     for (int base = t; base < items; base += THREADS * UNROLL) {
-        uint4 v[UNROLL];
+        WORD v[UNROLL];
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int it = base + u * THREADS;
@@ -111,36 +113,39 @@ def load(reference):
     """reference: the torch refresh_rows, for the arguments the kernel does not take."""
     import cupy
 
-    source = _HEADER.format(threads=THREADS, unroll=UNROLL) + RADIX_SELECT + _SOURCE
-    kernel = compile_module(source).get_function("refresh_rows_kernel")
+    source = _HEADER.format(threads=THREADS, unroll=UNROLL) + RADIX_SELECT + "".join(
+        _SOURCE.replace("WORD", t).replace("_wN", f"_w{w}") for w, t in WORDS.items())
+    mod = compile_module(source)
+    kernels = {w: mod.get_function(f"refresh_rows_w{w}") for w in WORDS}
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     if not props["unifiedAddressing"]:
         raise RuntimeError("no unified addressing: pinned host pointers are not device pointers")
     most_shared = props.get("sharedMemPerBlockOptin", 48 * 1024) - 1024   # less the static warp sums
 
     def refresh_rows(host, pos, slots, rows, lo, n, counts=None):
-        """The kernel needs 16-byte aligned rows (length, strides, base) with unit stride, contiguous int64 pos
-        and slots and a contiguous `rows` on pos' device, an int64 `counts` (or none) there, and the bitmap of n
-        bits and two K lists in shared memory; else the torch reference."""
+        """The kernel needs rows of unit stride, contiguous int64 pos and slots and a contiguous `rows` on pos'
+        device, an int64 `counts` (or none) there, and the bitmap of n bits and two K lists in shared memory; else
+        the torch reference."""
         B, H, K = pos.shape
         X, elt = host.shape[-1], host.element_size()
         steps = [host.stride(0) * elt, host.stride(1) * elt, host.stride(2) * elt, X * elt, host.data_ptr()]
         shared = shared_bytes(n, K)
-        if (host.stride(-1) != 1 or any(v % 16 for v in steps) or shared > most_shared
+        if (host.stride(-1) != 1 or shared > most_shared
                 or pos.dtype != torch.int64 or slots.dtype != torch.int64 or not pos.is_contiguous()
                 or not slots.is_contiguous() or slots.shape != pos.shape or not rows.is_contiguous()
                 or rows.shape != (B, H, K, X) or rows.dtype != host.dtype
                 or any(t.device != pos.device for t in (slots, rows))
                 or (counts is not None and (counts.dtype != torch.int64 or counts.device != pos.device))
-                or B * H == 0 or K == 0 or n >= 2**31 or K * X * elt // 16 >= 2**31):
+                or B * H == 0 or K == 0 or X == 0 or n >= 2**31 or K * X * elt >= 2**31):
             return reference(host, pos, slots, rows, lo, n, counts)
+        w = next(w for w in WORDS if all(v % w == 0 for v in steps))
+        kernel = kernels[w]
         if shared > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = shared
-        words = X * elt // 16
         launch(kernel, (B * H,), (THREADS,),
                (np.uint64(host.data_ptr()), ptr(pos), ptr(slots), ptr(rows), np.int32(H), np.int32(K),
-                np.int64(host.stride(0) * elt // 16), np.int64(host.stride(1) * elt // 16),
-                np.int64(host.stride(2) * elt // 16), np.int32(words), np.int64(lo), np.int32(n),
+                np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),
+                np.int64(host.stride(2) * elt // w), np.int32(X * elt // w), np.int64(lo), np.int32(n),
                 ptr_or_null(counts)), pos.device, shared_mem=shared)
 
     return refresh_rows

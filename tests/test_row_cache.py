@@ -1,10 +1,12 @@
 """refresh_rows (ops/row_cache.py): a device cache of host rows kept current for each new selection. The torch
 reference on the CPU; the CUDA kernel against it (same slots, same rows), marked cuda."""
+import collections
 import zlib
 
 import pytest
 import torch
 
+from tailorkv.ops import dispatch
 from tailorkv.ops.row_cache import refresh_rows
 
 cuda = pytest.mark.cuda
@@ -129,10 +131,13 @@ def test_the_kernel_replays_from_a_cuda_graph(gen):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_the_kernel_keeps_k_transposed_channel_rows(gen, dtype):
+@pytest.mark.parametrize("N,lo,n", [(40000, 64, 32768), (3000, 16, 2984), (3001, 3, 2995)])
+def test_the_kernel_keeps_k_transposed_channel_rows(gen, dtype, N, lo, n, monkeypatch):
     """The paper path's K^T row cache (ChannelSelector.REUSE_ROWS): rows are 12 of 128 channels per KV head over a
-    bucket of the middle (a slice of each row, 64 KiB), positions are channels (lo 0, n 128); 16- and 8-bit stores."""
-    B, H, D, N, lo, n, r = 1, 8, 128, 40000, 64, 32768, 12
+    bucket of the middle (a slice of each row), positions are channels (lo 0, n 128); 16- and 8-bit stores whose
+    row length, stride and start allow 16-byte words down to single bytes; the kernel takes each (no reference)."""
+    monkeypatch.setattr(dispatch, "FALLBACKS", collections.Counter())
+    B, H, D, r = 1, 8, 128, 12
     raw = lambda t: t.view(torch.int16 if t.element_size() == 2 else torch.uint8)  # noqa: E731  (e4m3: no equal)
     store = torch.randn(B, H, D, N, generator=gen).to(dtype).pin_memory()
     host = store[:, :, :, lo:lo + n]
@@ -150,3 +155,4 @@ def test_the_kernel_keeps_k_transposed_channel_rows(gen, dtype):
         want = raw(host).gather(2, slots.cpu()[..., None].expand(-1, -1, -1, n))
         assert torch.equal(raw(rows).cpu(), want)
     assert 0 < state["kernel"][2][0] < state["kernel"][2][1] == 6 * B * H * r
+    assert dispatch.FALLBACKS["refresh_rows"] == 0
