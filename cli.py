@@ -50,7 +50,7 @@ def main():
 def run(model, weights, random_weights, device, dtype, threads, method, bits, budget, sink, recent, channels,
         quant_layers, layer_profile, select, sketch_bits, select_rule, channel_rule, own_query_below, ctx, prompt,
         prompt_file, system, max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, stop,
-        no_chat_template, gpu_mem_limit, predict_ahead, predict_weights, kt_bits):
+        no_chat_template, gpu_mem_limit, predict_ahead, predict_weights, kt_bits, kt_cache):
     """Chat with a model, or answer one --prompt / --file and exit."""
     from tailorkv.engine import sampling as S
 
@@ -72,7 +72,7 @@ def run(model, weights, random_weights, device, dtype, threads, method, bits, bu
     check_knob_use(click.get_current_context(), [method])
     settings = settings_from(method, bits, budget, sink, recent, channels, quant_layers, select, sketch_bits,
                              select_rule, channel_rule, own_query_below, predict_ahead, predict_weights, layer_profile,
-                             kt_bits)
+                             kt_bits, kt_cache)
     ctx_len = parse_ctx(ctx) if ctx is not None else None
     dev = pick_device(device)
     limit = cap_gpu_memory(gpu_mem_limit, dev)

@@ -1,9 +1,7 @@
 """Run `tailorkv bench` with one engine knob patched, for A/B runs in one process per variant:
     PYTHONPATH=src python3 bench/ab_patch.py VARIANT bench ARGS...
 Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row whole); reuse-on
-(SketchSelector.REUSE_ROWS True: each layer's row cache, only the newly chosen rows read from host);
-channel-reuse-on (ChannelSelector.REUSE_ROWS True: the paper path's K^T rows kept per layer, only the channels not
-chosen the step before read from host); no-sketch
+(SketchSelector.REUSE_ROWS True: each layer's row cache, only the newly chosen rows read from host); no-sketch
 (the sketch scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless);
 no-gather (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N
 (the short-row gather's blocks, threads per block, reads in flight per thread); refresh-threads-N,
@@ -73,9 +71,6 @@ def patch_one(variant: str) -> None:
         host_copy.SM_WRITES = False
     elif variant == "reuse-on":
         sketch.SketchSelector.REUSE_ROWS = True
-    elif variant == "channel-reuse-on":
-        from tailorkv.engine.policies.selection import ChannelSelector
-        ChannelSelector.REUSE_ROWS = True
     elif variant == "no-gather":
         sketch.SketchSelector._gather = lambda self, layer, pos: None
     elif variant.split("-")[0] in KERNEL_KNOBS:  # e.g. gather-blocks-12: a kernel module's constant

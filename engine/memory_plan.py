@@ -79,7 +79,6 @@ def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtyp
     middle; sketch-ahead's top-K positions and gathered K/V rows, or with its row caches the positions only; the
     synchronous sketch has none) and the layer's row cache if on (sketch-ahead's, or the paper path's K^T rows)."""
     from tailorkv.engine.policies.row_cache import RowCache
-    from tailorkv.engine.policies.selection import ChannelSelector
     from tailorkv.engine.policies.sketch import SketchSelector
     from tailorkv.engine.policies.sparse import FLUSH
     hd, kv = cfg.head_dim, cfg.n_kv_heads
@@ -97,7 +96,7 @@ def sparse_layer_bytes(cfg, settings: MethodSettings, ctx: int, batch: int, dtyp
         r = min(settings.channels, hd)
         kt = dtype_bytes if settings.kt_bits == 16 else 1
         middle = max(0, ctx - settings.sink)
-        if ChannelSelector.REUSE_ROWS:  # each layer's own K^T rows; the sets keep the scores and channels
+        if settings.kt_cache:  # each layer's own K^T rows; the sets keep the scores and channels
             rows = RowCache.bytes_for(batch, kv, r, ctx * kt)
             buffers = middle * 4 + 8 * r
         else:

@@ -67,6 +67,10 @@ def method_options(fn):
                      help="bits of the K^T copy in host memory whose rows --select channels reads each step: the "
                           "keys' own (16) or e4m3 with a power-of-two scale per channel (8: half the PCIe bytes) "
                           f"({_users('kt_bits')})"),
+        click.option("--kt-cache/--no-kt-cache", default=d.kt_cache, show_default=True,
+                     help="keep each sparse layer's K^T rows of its r channels on the device between steps and read "
+                          "from host memory only the channels newly chosen (fewer PCIe bytes; + r / head dim of the "
+                          f"keys on the device: 0.78 GB at 128k on an 8B) ({_users('kt_cache')})"),
         click.option("--predict-ahead", type=int, default=d.predict_ahead, show_default=True,
                      help="a sparse layer's query predicted from the input of the layer this many before it (1: the "
                           "paper's one layer early; more gives its selection and fetch more layers to run under) "
@@ -100,7 +104,7 @@ def numbers_typed(params: dict) -> dict:
 
 
 KNOBS = ("bits", "budget", "sink", "recent", "channels", "quant_layers", "layer_profile", "select", "sketch_bits",
-         "kt_bits", "predict_ahead", "predict_weights", "select_rule", "channel_rule", "own_query_below")
+         "kt_bits", "kt_cache", "predict_ahead", "predict_weights", "select_rule", "channel_rule", "own_query_below")
 
 
 def given_knobs(ctx: click.Context, names=KNOBS) -> list[str]:
@@ -134,7 +138,7 @@ def check_knob_use(ctx: click.Context, methods: list[str]) -> None:
 
 def settings_from(method, bits, budget, sink, recent, channels, quant_layers, select="channels", sketch_bits=2,
                   select_rule=None, channel_rule=None, own_query_below=None, predict_ahead=1, predict_weights="bf16",
-                  layer_profile=None, kt_bits=16):
+                  layer_profile=None, kt_bits=16, kt_cache=False):
     from tailorkv.engine.settings import MethodSettings
     ql = None
     if quant_layers is not None:
@@ -147,7 +151,7 @@ def settings_from(method, bits, budget, sink, recent, channels, quant_layers, se
     s = MethodSettings(method=method, bits=None if bits is None else int(bits), budget=budget, sink=sink,
                        recent=recent, channels=channels, quant_layers=ql, select=select,
                        layer_profile=os.path.abspath(layer_profile) if layer_profile else None,  # as --resume compares
-                       sketch_bits=int(sketch_bits), kt_bits=int(kt_bits), predict_ahead=predict_ahead,
+                       sketch_bits=int(sketch_bits), kt_bits=int(kt_bits), kt_cache=kt_cache, predict_ahead=predict_ahead,
                        predict_weights=predict_weights, **rules)
     try:
         s.validate()

@@ -26,6 +26,7 @@ KNOB_USERS = {
     "select": ("tailorkv",),
     "sketch_bits": ("tailorkv",),
     "kt_bits": ("tailorkv",),
+    "kt_cache": ("tailorkv",),
     "predict_ahead": ("tailorkv",),
     "predict_weights": ("tailorkv",),
     "select_rule": ("tailorkv",),
@@ -37,6 +38,7 @@ SELECT_KNOBS = {  # tailorkv's knobs that only some --select modes use
     "channels": ("channels",),
     "channel_rule": ("channels",),
     "kt_bits": ("channels",),
+    "kt_cache": ("channels",),
 }
 
 
@@ -73,6 +75,8 @@ class MethodSettings:
     sketch_bits: int = 2       # bits of the sketch (SKETCH_BITS)
     kt_bits: int = 16          # KT_BITS: bits per element of the host K^T store that --select channels reads
     #                            (8: float8 e4m3 with a power-of-two scale per KV head and channel: half the bytes)
+    kt_cache: bool = False     # each sparse layer keeps its r channels' K^T rows on the device between steps and
+    #                            reads only the channels it did not hold (+r / head_dim of the keys on the device)
     quant_layers: list[int] | None = None  # None: from the layer profile
     layer_profile: str | None = None  # a `tailorkv profile` JSON; None: the model's shipped one (configs/profiles)
     own_query_below: float = 0.5  # sparse layers whose profiled q-hat cosine (one-layer-early prediction) is below

@@ -95,14 +95,13 @@ def test_sweep_writes_json_and_plots(tiny, tmp_path):
     assert "full" in r.output and "cells ok" in r.output
 
 
-def test_the_channel_row_cache_shrinks_only_the_k_transposed_bytes(tiny, tmp_path, monkeypatch):
-    """With ChannelSelector.REUSE_ROWS the cell records the K^T rows read of those chosen, and its PCIe bytes fall
+def test_the_channel_row_cache_shrinks_only_the_k_transposed_bytes(tiny, tmp_path):
+    """With --kt-cache the cell records the K^T rows read of those chosen, and its PCIe bytes fall
     by the K^T rows not read again (the K/V rows of the chosen tokens are read as before)."""
-    from tailorkv.engine.policies.selection import ChannelSelector
     args = ["--model", tiny, "--ctx", "512", "--methods", "tailorkv", *FAST]
     assert bench_cmd(*args, "--out", str(tmp_path / "plain")).exit_code == 0
-    monkeypatch.setattr(ChannelSelector, "REUSE_ROWS", True)
-    assert bench_cmd(*args, "--out", str(tmp_path / "held")).exit_code == 0
+    r = bench_cmd(*args, "--kt-cache", "--out", str(tmp_path / "held"))
+    assert r.exit_code == 0, r.output
     plain, held = (load(tmp_path / d / "bench.json")["cells"][0] for d in ("plain", "held"))
     assert plain["row_cache"] is None
     rc, kt = held["row_cache"], held["stats"]["kt_bytes"]

@@ -173,6 +173,9 @@ def test_interactive_chat_commands():
                                                                       "--select channels"]),
     (["--kt-bits", "8"], ["--kt-bits has no effect under full", "tailorkv"]),
     (["--method", "tailorkv", "--kt-bits", "4"], ["'4' is not one of '16', '8'"]),
+    (["--method", "tailorkv", "--select", "sketch-ahead", "--kt-cache"], ["--kt-cache has no effect with --select "
+                                                                          "sketch-ahead", "--select channels"]),
+    (["--kt-cache"], ["--kt-cache has no effect under full", "tailorkv"]),
     (["--method", "tailorkv", "--own-query-below", "1.5"], ["--own-query-below must be a cosine in [0, 1]"]),
     (["--own-query-below", "0.3"], ["--own-query-below has no effect under full", "tailorkv"]),
     (["-m", "llama-3.1-8b", "--random-weights", "--method", "tailorkv", "--own-query-below", "0.4"],

@@ -82,11 +82,9 @@ def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for(reuse
     """The sparse layers' scheduler buffers in the estimate are those each selector asks the scheduler for at the
     largest step (two sets shared by all layers): the paper's K^T rows and scores over the middle, none for the
     synchronous sketch, top-K positions and gathered rows for sketch-ahead, only the positions with its row cache),
-    and the row caches (each layer's own: sketch-ahead's K/V rows, the paper path's K^T rows) when on."""
-    from tailorkv.engine.policies.selection import ChannelSelector
+    and the row caches (each layer's own: sketch-ahead's K/V rows, the paper path's K^T rows, --kt-cache) when on."""
     from tailorkv.engine.policies.sketch import SketchSelector
     monkeypatch.setattr(SketchSelector, "REUSE_ROWS", reuse)
-    monkeypatch.setattr(ChannelSelector, "REUSE_ROWS", reuse)
     import math
     import torch
     from tailorkv.engine.cache import LayerSpec
@@ -94,7 +92,7 @@ def test_the_selection_buffers_counted_are_the_ones_each_selector_asks_for(reuse
     from tailorkv.engine.policies.sparse import SparseOffloadCache
     cfg = ModelConfig(name="small", dim=256, n_layers=4, n_heads=8, n_kv_heads=2, hidden_dim=512, vocab_size=100,
                       max_context=2048)
-    ctx, base = 1000, MethodSettings(method="tailorkv", budget=96, sink=8, recent=24, channels=4)
+    ctx, base = 1000, MethodSettings(method="tailorkv", budget=96, sink=8, recent=24, channels=4, kt_cache=reuse)
     spec = LayerSpec(1, 8, 2, cfg.head_dim, ctx, 1, torch.bfloat16, torch.device("cpu"))
     none = sparse_layer_bytes(cfg, replace(base, select="sketch"), ctx, 1, 2)
     for select in ("channels", "sketch", "sketch-ahead"):

@@ -133,7 +133,7 @@ def test_the_kernel_replays_from_a_cuda_graph(gen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("N,lo,n", [(40000, 64, 32768), (3000, 16, 2984), (3001, 3, 2995)])
 def test_the_kernel_keeps_k_transposed_channel_rows(gen, dtype, N, lo, n, monkeypatch):
-    """The paper path's K^T row cache (ChannelSelector.REUSE_ROWS): rows are 12 of 128 channels per KV head over a
+    """The paper path's K^T row cache (--kt-cache): rows are 12 of 128 channels per KV head over a
     bucket of the middle (a slice of each row), positions are channels (lo 0, n 128); 16- and 8-bit stores whose
     row length, stride and start allow 16-byte words down to single bytes; the kernel takes each (no reference)."""
     monkeypatch.setattr(dispatch, "FALLBACKS", collections.Counter())

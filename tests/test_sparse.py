@@ -455,8 +455,8 @@ def test_sketch_ahead_selects_from_the_prediction_and_attends_the_gathered_rows(
     assert torch.equal(rows_v, lay.host_v.gather(2, seen[-1][..., None].expand(-1, -1, -1, D2)))
 
 
-def test_the_channel_row_cache_reads_only_new_channels_and_changes_no_step(gen, small_flush, monkeypatch):
-    """The paper's path with a K^T row cache (ChannelSelector.REUSE_ROWS): across steps that keep some channels,
+def test_the_channel_row_cache_reads_only_new_channels_and_changes_no_step(gen, small_flush):
+    """The paper's path with a K^T row cache (--kt-cache): across steps that keep some channels,
     flushes (the middle grows: every row is read again) and a second turn, every step equals the path without it up
     to the order of the summed channels; the rows held are the host K^T rows of the channels held; the counters
     say fewer rows were read from host than were chosen."""
@@ -464,8 +464,7 @@ def test_the_channel_row_cache_reads_only_new_channels_and_changes_no_step(gen, 
     spec = spec_of(hq, hkv, D, B, max_len=600)
     st = settings(budget=8 + 40 + 16, sink=8, recent=16, channels=6)
     plain = One(SparseOffloadCache(spec, st))
-    monkeypatch.setattr(ChannelSelector, "REUSE_ROWS", True)
-    held = One(SparseOffloadCache(spec, st))
+    held = One(SparseOffloadCache(spec, settings(budget=8 + 40 + 16, sink=8, recent=16, channels=6, kt_cache=True)))
     assert plain.policy.selector.row_cache is None and held.policy.selector.row_cache is not None
     q, K, V = qkv(gen, B, hq, hkv, 300, D)
     assert rel_err(held.attend(q, K, V, 0), plain.attend(q, K, V, 0)) < 1e-6

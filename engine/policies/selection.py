@@ -70,18 +70,18 @@ class ChannelSelector(TokenSelector):
     r channels per KV head; their K^T rows over the middle come from host memory; approximate scores of the
     current query over those channels, the group's heads combined by `rule` (the paper's: summed logits; lse /
     psum: ops.sparse_select.combine_heads), pick the top-K tokens per KV head. A middle of at most K tokens is
-    taken whole (no scoring). With a row cache (REUSE_ROWS) the layer keeps its last step's K^T rows on the device
+    taken whole (no scoring). With a row cache (--kt-cache) the layer keeps its last step's K^T rows on the device
     and reads only the channels it did not choose the step before (the rows' slots are then in the cache's order)."""
     fetches_ahead = True
     # Consecutive steps choose mostly the same channels (SmolLM2-135M over essay text at 4k on the CPU: 75% of a
-    # layer's r = 12 picks were the step before's; with random weights 73%: bench/probes/channel_reuse.py); the rows
-    # are refetched whole after a flush (every FLUSH steps). Costs each layer r rows over the largest middle.
-    REUSE_ROWS = False
+    # layer's r = 12 picks were the step before's; with random weights 73%: bench/probes/channel_reuse.py; random
+    # Llama-3.1-8B weights on the GPU: 10%); the rows are refetched whole after a flush (every FLUSH steps). Costs
+    # each layer r rows over the largest middle.
     COUNTERS = ("kt_rows_read", "kt_rows_chosen")
 
-    def __init__(self, rule: str, channel_rule: str, spec=None, r: int = 0, kt_dtype=None):
+    def __init__(self, rule: str, channel_rule: str, spec=None, r: int = 0, kt_dtype=None, keep_rows: bool = False):
         self.rule, self.channel_rule = rule, channel_rule
-        use = self.REUSE_ROWS and spec is not None and r > 0
+        use = keep_rows and spec is not None and r > 0
         self.row_cache = RowCache(spec, r, spec.max_len, kt_dtype) if use else None
 
     def middle_changed(self) -> None:

@@ -68,7 +68,8 @@ class SparseOffloadCache(LayerCache):
             self.sketch = KeySketch(spec, settings.sketch_bits, settings.group, spec.max_len - self.sink, self.topk)
             self.selector = SketchSelector.of(settings, spec, self.topk)
         else:
-            self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule, spec, self.r, self.kt.dtype)
+            self.selector = ChannelSelector(settings.combine_rule, settings.channel_rule, spec, self.r, self.kt.dtype,
+                                            settings.kt_cache)
         B, H, N, D = spec.batch, spec.n_kv_heads, spec.max_len, spec.head_dim
         # a token's K and V rows side by side (one 2D-row run per token and head): the decode step reads both;
         # sketch-ahead reads its rows beside the GEMVs, from large GPU pages (ops/host_memory.py)
