@@ -61,6 +61,14 @@ extern "C" __global__ void gather_long_rows_w{W}(const unsigned long long src_ad
 WORDS = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 
 
+def widest_word(host: torch.Tensor) -> int:
+    """The widest word of WORDS (bytes) that divides host's [B, H, N, X] row length, strides and start: the copy
+    width of the kernels that read its rows."""
+    elt = host.element_size()
+    steps = [host.stride(0) * elt, host.stride(1) * elt, host.stride(2) * elt, host.shape[-1] * elt, host.data_ptr()]
+    return next(w for w in WORDS if all(s % w == 0 for s in steps))
+
+
 def load(reference):
     """reference: the torch gather_rows, for the arguments the kernel does not take."""
     import cupy
@@ -87,8 +95,7 @@ def load(reference):
         if out.numel() == 0:
             return out
         src = host.data_ptr()  # pinned memory under UVA: the host address is the device address
-        byte_steps = [host.stride(0) * elt, host.stride(1) * elt, host.stride(2) * elt, X * elt, src]
-        w = next(w for w in WORDS if all(s % w == 0 for s in byte_steps))
+        w = widest_word(host)
         idx64 = idx if idx.dtype == torch.int64 and idx.is_contiguous() else idx.to(torch.int64).contiguous()
         words = X * elt // w
         strides = (np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),

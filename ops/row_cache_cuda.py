@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tailorkv.ops.cuda_launch import compile_module, launch, ptr, ptr_or_null
-from tailorkv.ops.host_gather_cuda import WORDS
+from tailorkv.ops.host_gather_cuda import WORDS, widest_word
 from tailorkv.ops.radix_select_cuda import RADIX_SELECT
 
 THREADS, UNROLL = 1024, 4
@@ -128,7 +128,6 @@ def load(reference):
         the torch reference."""
         B, H, K = pos.shape
         X, elt = host.shape[-1], host.element_size()
-        steps = [host.stride(0) * elt, host.stride(1) * elt, host.stride(2) * elt, X * elt, host.data_ptr()]
         shared = shared_bytes(n, K)
         if (host.stride(-1) != 1 or shared > most_shared
                 or pos.dtype != torch.int64 or slots.dtype != torch.int64 or not pos.is_contiguous()
@@ -138,7 +137,7 @@ def load(reference):
                 or (counts is not None and (counts.dtype != torch.int64 or counts.device != pos.device))
                 or B * H == 0 or K == 0 or X == 0 or n >= 2**31 or K * X * elt >= 2**31):
             return reference(host, pos, slots, rows, lo, n, counts)
-        w = next(w for w in WORDS if all(v % w == 0 for v in steps))
+        w = widest_word(host)
         kernel = kernels[w]
         if shared > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = shared

@@ -129,6 +129,16 @@ def test_the_kernel_replays_from_a_cuda_graph(gen):
         check_state(host, pos, slots, rows, before)
 
 
+def test_the_kernels_copy_with_the_widest_word_that_divides_the_rows_strides_and_start():
+    """host_gather_cuda.widest_word, the copy width of the gather and refresh kernels (CPU allocations are 64-byte
+    aligned): a 3,000-byte stride and a 2,984-byte row from byte 16 allow 8 bytes; a start at byte 3 only 1."""
+    from tailorkv.ops.host_gather_cuda import widest_word
+    store8 = torch.empty(1, 8, 128, 3000, dtype=torch.uint8)
+    store16 = torch.empty(1, 8, 128, 4096, dtype=torch.bfloat16)
+    assert widest_word(store8[..., 16:3000]) == 8 and widest_word(store8[..., 3:2998]) == 1
+    assert widest_word(store16[..., 64:2112]) == 16 and widest_word(store16[..., 1:2049]) == 2
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("N,lo,n", [(40000, 64, 32768), (3000, 16, 2984), (3001, 3, 2995)])

@@ -6,10 +6,10 @@ block (host_gather_cuda.THREADS, one block per row).
     PYTHONPATH=src python3 bench/probes/kt_row_reads.py [N] [LAYERS]
 """
 import sys
-import time
 
 import torch
 
+from host_read_paths import timed  # this folder's: the same wall-clock timing
 from tailorkv.ops import host_gather_cuda
 from tailorkv.ops.host_gather import gather_rows
 
@@ -20,16 +20,6 @@ stores = [torch.empty(1, 8, 128, N, dtype=torch.bfloat16, pin_memory=True) for _
 stores[-1].normal_()  # the one checked against torch
 out = torch.empty(1, 8, 12, N, dtype=torch.bfloat16, device=dev)
 row_bytes = out.numel() * 2
-
-
-def timed(fn, reps=3):
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps
 
 
 g = torch.Generator(device=dev).manual_seed(0)
