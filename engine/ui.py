@@ -188,6 +188,15 @@ def split_list(text: str | None) -> list[str]:
     return out
 
 
+def known_names(text: str | None, choices, what: str, flag: str) -> list[str]:
+    """split_list(text), refusing the first name not in choices: InputError("unknown {what} 'x' in {flag}: ...")."""
+    names = split_list(text)
+    bad = [n for n in names if n not in choices]
+    if bad:
+        raise InputError(f"unknown {what} '{bad[0]}' in {flag}: choose from {', '.join(choices)}")
+    return names
+
+
 def utf8_text(text: str, what: str) -> str:
     """Command-line and stdin text reach Python with undecodable bytes as lone surrogates: refuse them."""
     try:

@@ -258,10 +258,7 @@ def run_bench(params, model, weights, random_weights, device, dtype, ctxs, metho
     for flag, gbps, example in (("--hbm-gbps", hbm_gbps, 4300), ("--pcie-gbps", pcie_gbps, 55)):
         if gbps is not None and not (gbps > 0 and math.isfinite(gbps)):
             raise ui.UserError(f"{flag} must be a bandwidth above 0 GB/s, got {gbps}: e.g. {flag} {example}")
-    names = ui.split_list(methods)
-    bad = [m for m in names if m not in METHODS]
-    if bad:
-        raise ui.UserError(f"unknown method '{bad[0]}' in --methods: choose from {', '.join(METHODS)}")
+    names = ui.known_names(methods, METHODS, "method", "--methods")
     options.check_knob_use(click.get_current_context(), names)
     settings = {m: options.settings_from(method=m, **knobs) for m in names}
     ctx_list = None

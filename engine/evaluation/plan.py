@@ -64,12 +64,9 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def parse_methods(text: str) -> list[str]:
-    names = ui.split_list(text)
+    names = ui.known_names(text, METHODS, "method", "--methods")
     if not names:
         raise InputError(f"--methods is empty: name at least one of {', '.join(METHODS)}")
-    bad = [m for m in names if m not in METHODS]
-    if bad:
-        raise InputError(f"unknown method '{bad[0]}' in --methods: choose from {', '.join(METHODS)}")
     return names
 
 
@@ -77,12 +74,9 @@ def parse_tasks(text: str | None) -> list[str]:
     """None (no --tasks): every task."""
     if text is None:
         return list(TASKS)
-    names = ui.split_list(text)
+    names = ui.known_names(text, TASKS, "task", "--tasks")
     if not names:
         raise InputError(f"--tasks is empty: name at least one of {', '.join(TASKS)} (or leave --tasks out for all)")
-    bad = [t for t in names if t not in TASKS]
-    if bad:
-        raise InputError(f"unknown task '{bad[0]}' in --tasks: choose from {', '.join(TASKS)}")
     return names
 
 
