@@ -4,7 +4,8 @@ Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row w
 (SketchSelector.REUSE_ROWS True: each layer's row cache, only the newly chosen rows read from host); no-sketch
 (the sketch scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless);
 no-gather (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N
-(the short-row gather's blocks, threads per block, reads in flight per thread); refresh-threads-N,
+(the short-row gather's blocks, threads per block, reads in flight per thread); gather-longblocks-N,
+gather-longthreads-N (long rows, the K^T rows, on N blocks of the loop kernel; 0: one block per row); refresh-threads-N,
 refresh-unroll-N (the row cache kernel's block size and reads in flight per thread); sketch-grid-N (the sketch
 kernel's grid ahead of its layer sized for N blocks per SM at any --predict-ahead, SketchSelector.AHEAD_BLOCKS_PER_SM;
 0: the full wave); predict-after-qkv (the next layer's prediction queued
@@ -22,7 +23,8 @@ import sys
 import torch
 
 # variant prefix -> (the kernel's module in ops/, its constants by variant name), read when the kernel loads
-KERNEL_KNOBS = {"gather": ("host_gather_cuda", {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL"}),
+KERNEL_KNOBS = {"gather": ("host_gather_cuda", {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL",
+                                          "longblocks": "LONG_BLOCKS", "longthreads": "LONG_THREADS"}),
                 "refresh": ("row_cache_cuda", {"threads": "THREADS", "unroll": "UNROLL"}),
                 "hostcopy": ("host_copy", {"blocks": "BLOCKS"}),
                 "topk": ("topk_cuda", {"short": "ONE_STAGE_MAX_N"})}

@@ -18,6 +18,9 @@ from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 # sixteenth-session). From pinned stores 12 had measured best (6.45; 16: 6.86, 24: 7.31, 32: 7.73), the extra
 # reads in flight slowing the GEMVs beside them (twelfth and sixteenth sessions).
 MAX_BLOCKS, THREADS, UNROLL = 16, 256, 4
+# Long rows on LONG_BLOCKS blocks of LONG_THREADS, the short rows' loop (UNROLL reads in flight per thread), so the
+# copy stream holds a few SMs rather than one block per row on most of them; 0: one block per row.
+LONG_BLOCKS, LONG_THREADS = 0, 1024
 
 _SOURCE = r"""
 extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, const unsigned long long idx_addr,
@@ -100,12 +103,17 @@ def load(reference):
         words = X * elt // w
         strides = (np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),
                    np.int64(host.stride(2) * elt // w))
+        items = B * H * n * words
+        if words >= THREADS * UNROLL and LONG_BLOCKS and items < 2**31:
+            launch(kernels[w], (min(LONG_BLOCKS, B * H * n),), (LONG_THREADS,),
+                   (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words),
+                    np.int32(items)), idx.device)
+            return out
         if words >= THREADS * UNROLL:  # long rows (the K^T rows' 256 KiB): a block per row, a read per thread
             launch(row_kernels[w], (B * H * n,), (THREADS,),
                    (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words)),
                    idx.device)
             return out
-        items = B * H * n * words
         if items >= 2**31:
             return reference(host, idx, device, out)
         launch(kernels[w], (min(MAX_BLOCKS, -(-items // (THREADS * UNROLL))),), (THREADS,),
