@@ -104,19 +104,17 @@ def load(reference):
         strides = (np.int64(host.stride(0) * elt // w), np.int64(host.stride(1) * elt // w),
                    np.int64(host.stride(2) * elt // w))
         items = B * H * n * words
-        if words >= THREADS * UNROLL and LONG_BLOCKS and items < 2**31:
-            launch(kernels[w], (min(LONG_BLOCKS, B * H * n),), (LONG_THREADS,),
-                   (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words),
-                    np.int32(items)), idx.device)
-            return out
-        if words >= THREADS * UNROLL:  # long rows (the K^T rows' 256 KiB): a block per row, a read per thread
+        long_rows = words >= THREADS * UNROLL
+        if long_rows and not (LONG_BLOCKS and items < 2**31):  # the K^T rows' 256 KiB: a block per row
             launch(row_kernels[w], (B * H * n,), (THREADS,),
                    (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words)),
                    idx.device)
             return out
         if items >= 2**31:
             return reference(host, idx, device, out)
-        launch(kernels[w], (min(MAX_BLOCKS, -(-items // (THREADS * UNROLL))),), (THREADS,),
+        grid, threads = ((min(LONG_BLOCKS, B * H * n), LONG_THREADS) if long_rows
+                         else (min(MAX_BLOCKS, -(-items // (THREADS * UNROLL))), THREADS))
+        launch(kernels[w], (grid,), (threads,),
                (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words),
                 np.int32(items)), idx.device)
         return out

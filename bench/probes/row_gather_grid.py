@@ -5,12 +5,16 @@
     on LONG_BLOCKS blocks of LONG_THREADS.
     PYTHONPATH=src python3 bench/probes/row_gather_grid.py
 """
+import sys
+
 import numpy as np
 import torch
 
-from tailorkv.ops import host_gather_cuda as hg
-from tailorkv.ops.cuda_launch import compile_module, launch, ptr
-from tailorkv.ops.host_gather import gather_rows
+sys.path.insert(0, "bench")
+from kernels import gpu_time  # noqa: E402  (a CUDA graph of 8 calls replayed, the median)
+from tailorkv.ops import host_gather_cuda as hg  # noqa: E402
+from tailorkv.ops.cuda_launch import compile_module, launch, ptr  # noqa: E402
+from tailorkv.ops.host_gather import gather_rows  # noqa: E402
 
 dev = torch.device("cuda")
 H, N, n = 8, 131072, 896
@@ -27,26 +31,6 @@ def run(u, blocks, host, idx, out):
             np.int32(words), np.int32(items)), dev)
 
 
-def graph_ms(fn, per=8, reps=30):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / per)
-    return float(np.median(times))
-
-
 rows = []
 for X in (128, 256):  # bf16 elements: 256- and 512-byte rows
     host = torch.randn(1, H, N, X, dtype=torch.bfloat16).pin_memory()
@@ -59,7 +43,7 @@ for X in (128, 256):  # bf16 elements: 256- and 512-byte rows
             run(u, blocks, host, idx, out)
             torch.cuda.synchronize()
             ok = torch.equal(out[0], want)
-            ms = graph_ms(lambda: run(u, blocks, host, idx, out))
+            ms, _ = gpu_time([lambda: run(u, blocks, host, idx, out)], reps=30)
             rows.append((X * 2, u, blocks, ok, ms, nbytes / ms / 1e6))
 print(f"{'row B':>6} {'unroll':>6} {'blocks':>8} {'exact':>6} {'ms':>8} {'GB/s':>7}")
 for r in rows:
@@ -77,5 +61,5 @@ for blocks, threads in ((0, 256), (8, 1024), (16, 1024), (32, 1024), (16, 512), 
     gather_rows(kt, chans, dev, out=out)
     torch.cuda.synchronize()
     ok = torch.equal(out[0], want)
-    ms = graph_ms(lambda: gather_rows(kt, chans, dev, out=out), per=4, reps=10)
+    ms, _ = gpu_time([lambda: gather_rows(kt, chans, dev, out=out)], reps=10)
     print(f"{blocks or 'per row':>8} {threads:>8} {str(ok):>6} {ms:>8.4f} {nbytes / ms / 1e6:>7.1f}")
