@@ -4,8 +4,9 @@ Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row w
 (SketchSelector.REUSE_ROWS True: each layer's row cache, only the newly chosen rows read from host); no-sketch
 (the sketch scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless);
 no-gather (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N
-(the short-row gather's blocks, threads per block, reads in flight per thread); gather-longblocks-N,
-gather-longthreads-N (long rows, the K^T rows, on N blocks of the loop kernel; 0: one block per row); refresh-threads-N,
+(the short-row gather's blocks, threads per block, reads in flight per thread); kt-gather-blocks-N (the K^T rows'
+gather on N blocks of the loop kernel at either --kt-bits, ChannelSelector.KT_GATHER_BLOCKS; 0: one block per row);
+gather-longthreads-N (that loop kernel's threads per block); refresh-threads-N,
 refresh-unroll-N (the row cache kernel's block size and reads in flight per thread); sketch-grid-N (the sketch
 kernel's grid ahead of its layer sized for N blocks per SM at any --predict-ahead, SketchSelector.AHEAD_BLOCKS_PER_SM;
 0: the full wave); predict-after-qkv (the next layer's prediction queued
@@ -24,7 +25,7 @@ import torch
 
 # variant prefix -> (the kernel's module in ops/, its constants by variant name), read when the kernel loads
 KERNEL_KNOBS = {"gather": ("host_gather_cuda", {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL",
-                                          "longblocks": "LONG_BLOCKS", "longthreads": "LONG_THREADS"}),
+                                          "longthreads": "LONG_THREADS"}),
                 "refresh": ("row_cache_cuda", {"threads": "THREADS", "unroll": "UNROLL"}),
                 "hostcopy": ("host_copy", {"blocks": "BLOCKS"}),
                 "topk": ("topk_cuda", {"short": "ONE_STAGE_MAX_N"})}
@@ -75,6 +76,10 @@ def patch_one(variant: str) -> None:
         sketch.SketchSelector.REUSE_ROWS = True
     elif variant == "no-gather":
         sketch.SketchSelector._gather = lambda self, layer, pos: None
+    elif variant.startswith("kt-gather-blocks-"):
+        from tailorkv.engine.policies.selection import ChannelSelector
+        blocks = int(variant.rsplit("-", 1)[1])
+        ChannelSelector.KT_GATHER_BLOCKS = dict.fromkeys((1, 2, 4), blocks)
     elif variant.split("-")[0] in KERNEL_KNOBS:  # e.g. gather-blocks-12: a kernel module's constant
         kernel, knob, value = variant.split("-")
         module, names = KERNEL_KNOBS[kernel]

@@ -3,9 +3,10 @@ through the pointer UVA gives every pinned allocation), so the indices never lea
 needs no sync. The copy width is the widest word (16, 8, 4, 2 or 1 bytes) that divides the row length, the
 strides and the base address. Short rows (sketch-ahead's 512-byte K/V rows): a few blocks (MAX_BLOCKS) loop
 over all (row, word) items, each thread keeping UNROLL reads in flight, so PCIe's latency is covered without an SM
-slot per row and the SMs stay with the compute stream. Long rows (the paper's K^T rows): one block per row, one
-read per thread at a time (more reads in flight took PCIe from the attention's reads of host rows: 19.3 -> 22.7
-ms/token at 128k on the H200)."""
+slot per row and the SMs stay with the compute stream. Long rows (the paper's K^T rows): by default one block per
+row, one read per thread at a time (more reads in flight took PCIe from the attention's reads of host rows: 19.3 ->
+22.7 ms/token at 128k on the H200); with `blocks`, the loop kernel on that many blocks of LONG_THREADS, for a step
+bound by its compute stream rather than by PCIe."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,9 +19,7 @@ from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 # sixteenth-session). From pinned stores 12 had measured best (6.45; 16: 6.86, 24: 7.31, 32: 7.73), the extra
 # reads in flight slowing the GEMVs beside them (twelfth and sixteenth sessions).
 MAX_BLOCKS, THREADS, UNROLL = 16, 256, 4
-# Long rows on LONG_BLOCKS blocks of LONG_THREADS, the short rows' loop (UNROLL reads in flight per thread), so the
-# copy stream holds a few SMs rather than one block per row on most of them; 0: one block per row.
-LONG_BLOCKS, LONG_THREADS = 0, 1024
+LONG_THREADS = 1024  # long rows on `blocks` blocks: the short rows' loop, UNROLL reads in flight per thread
 
 _SOURCE = r"""
 extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, const unsigned long long idx_addr,
@@ -84,7 +83,7 @@ def load(reference):
         raise RuntimeError("no unified addressing: pinned host pointers are not device pointers")
 
     def gather_rows(host: torch.Tensor, idx: torch.Tensor, device: torch.device,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, blocks: int = 0) -> torch.Tensor:
         """The kernel needs host rows of unit stride and a contiguous `out` on idx's device, of host's dtype
         and shape [B, H, n, X]; anything else goes to the torch reference (which syncs on device indices)."""
         B, H, n = idx.shape
@@ -105,14 +104,14 @@ def load(reference):
                    np.int64(host.stride(2) * elt // w))
         items = B * H * n * words
         long_rows = words >= THREADS * UNROLL
-        if long_rows and not (LONG_BLOCKS and items < 2**31):  # the K^T rows' 256 KiB: a block per row
+        if long_rows and not (blocks and items < 2**31):  # the K^T rows' 256 KiB: a block per row
             launch(row_kernels[w], (B * H * n,), (THREADS,),
                    (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words)),
                    idx.device)
             return out
         if items >= 2**31:
             return reference(host, idx, device, out)
-        grid, threads = ((min(LONG_BLOCKS, B * H * n), LONG_THREADS) if long_rows
+        grid, threads = ((min(blocks, B * H * n), LONG_THREADS) if long_rows
                          else (min(MAX_BLOCKS, -(-items // (THREADS * UNROLL))), THREADS))
         launch(kernels[w], (grid,), (threads,),
                (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words),

@@ -199,12 +199,10 @@ def test_gather_rows_kernel_equals_reference(dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("long_blocks", [0, 8])
-def test_gather_rows_kernel_copies_long_rows(long_blocks, monkeypatch):
+@pytest.mark.parametrize("blocks", [0, 3, 8])
+def test_gather_rows_kernel_copies_long_rows(blocks):
     """Rows of >= THREADS * UNROLL words (the K^T rows at long contexts): one block per row, or the loop kernel
-    on LONG_BLOCKS blocks."""
-    from tailorkv.ops import host_gather_cuda
-    monkeypatch.setattr(host_gather_cuda, "LONG_BLOCKS", long_blocks)
+    on `blocks` blocks."""
     g = torch.Generator().manual_seed(SEED + 1)
     host = torch.randn(2, 3, 16, 20000, generator=g).to(torch.bfloat16).pin_memory()
     kernel = dispatch.kernel_for("gather_rows", host, torch.zeros(1, device="cuda"))
@@ -212,7 +210,7 @@ def test_gather_rows_kernel_copies_long_rows(long_blocks, monkeypatch):
         idx = torch.randint(0, 16, (2, 3, 5), generator=g).cuda()
         want = gather_rows.reference(src, idx.cpu(), torch.device("cpu"))
         out = torch.full(want.shape, float("nan"), device="cuda").to(torch.bfloat16)
-        assert kernel(src, idx, torch.device("cuda"), out=out) is out
+        assert kernel(src, idx, torch.device("cuda"), out=out, blocks=blocks) is out
         assert torch.equal(out.cpu(), want)
 
 

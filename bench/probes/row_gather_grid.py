@@ -1,8 +1,8 @@
 """ops/host_gather_cuda.py's gathers by grid, alone on an idle GPU, each variant checked against torch indexing:
   - short rows (sketch-ahead's K/V rows, the bench's 256-byte top-K rows), the loop kernel by reads in flight per
     thread (UNROLL) and blocks (MAX_BLOCKS): what the 16-block cap (chosen end to end) costs its own rate;
-  - long rows (the paper's K^T rows, 12 x 8 of 256 KiB), one block per row (LONG_BLOCKS 0) against the loop kernel
-    on LONG_BLOCKS blocks of LONG_THREADS.
+  - long rows (the paper's K^T rows, 12 x 8 of 256 KiB), one block per row (blocks 0) against the loop kernel
+    on `blocks` blocks of LONG_THREADS.
     PYTHONPATH=src python3 bench/probes/row_gather_grid.py
 """
 import sys
@@ -56,10 +56,10 @@ nbytes = H * 12 * N * 2
 print(f"\nK^T rows 12 x {H} of {N * 2 // 1024} KiB")
 print(f"{'blocks':>8} {'threads':>8} {'exact':>6} {'ms':>8} {'GB/s':>7}")
 for blocks, threads in ((0, 256), (8, 1024), (16, 1024), (32, 1024), (16, 512), (32, 512), (64, 256)):
-    hg.LONG_BLOCKS, hg.LONG_THREADS = blocks, threads
+    hg.LONG_THREADS = threads
     out = torch.full((1, H, 12, N), float("nan"), dtype=torch.bfloat16, device=dev)
-    gather_rows(kt, chans, dev, out=out)
+    gather_rows(kt, chans, dev, out=out, blocks=blocks)
     torch.cuda.synchronize()
     ok = torch.equal(out[0], want)
-    ms, _ = gpu_time([lambda: gather_rows(kt, chans, dev, out=out)], reps=10)
+    ms, _ = gpu_time([lambda: gather_rows(kt, chans, dev, out=out, blocks=blocks)], reps=10)
     print(f"{blocks or 'per row':>8} {threads:>8} {str(ok):>6} {ms:>8.4f} {nbytes / ms / 1e6:>7.1f}")

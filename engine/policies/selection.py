@@ -78,6 +78,11 @@ class ChannelSelector(TokenSelector):
     # Llama-3.1-8B weights on the GPU: 10%); the rows are refetched whole after a flush (every FLUSH steps). Costs
     # each layer r rows over the largest middle.
     COUNTERS = ("kt_rows_read", "kt_rows_chosen")
+    # The K^T gather's grid (ops.host_gather's `blocks`) by bytes per K^T element. 16 bits: the step waits on PCIe,
+    # so one block per row. 8 bits (e4m3): half the bytes, the step waits on its compute stream, and a block per
+    # row held the SMs its kernels need; 4 blocks (128k, 24 GiB cap, an H100: 16.2-16.4 -> 13.5 ms/token; 8
+    # blocks 14.0, 16 15.9, 2 17.3; one block per row kept for 16 bits: 19.6-19.8 against 20.5 with 4 or 8).
+    KT_GATHER_BLOCKS = {1: 4}  # other sizes: 0
 
     def __init__(self, rule: str, channel_rule: str, spec=None, r: int = 0, kt_dtype=None, keep_rows: bool = False):
         self.rule, self.channel_rule = rule, channel_rule
@@ -103,7 +108,8 @@ class ChannelSelector(TokenSelector):
         chans.copy_(self.channels(layer, q_sel))
         host = layer.kt.host[:, :, :, lo:lo + n]
         if self.row_cache is None:
-            gather_rows(host, chans, q_sel.device, out=layer.buffer("kt_rows"))
+            gather_rows(host, chans, q_sel.device, out=layer.buffer("kt_rows"),
+                        blocks=self.KT_GATHER_BLOCKS.get(host.element_size(), 0))
         else:
             cache = self.row_cache
             refresh_rows(host, chans, cache.slots, cache.view(n), 0, layer.spec.head_dim, cache.counts)
