@@ -226,6 +226,22 @@ def test_8bit_kt_store_keeps_fp16_scales_finite(gen):
     assert not kt.host[:, :, :, mid.start:mid.stop].float().isnan().any()
 
 
+def test_kt_rows_gather_grid_follows_the_stores_width(gen, monkeypatch):
+    """The K^T gather's grid is KT_GATHER_BLOCKS by bytes per K^T element: e4m3 rows on a few blocks (the 8-bit
+    step waits on its compute stream), wider rows one block per row (0)."""
+    import tailorkv.engine.policies.selection as selection
+    seen, real = [], selection.gather_rows
+    monkeypatch.setattr(selection, "gather_rows", lambda *a, **kw: seen.append(kw.get("blocks")) or real(*a, **kw))
+    assert ChannelSelector.KT_GATHER_BLOCKS[1] > 0
+    for bits, want in ((8, ChannelSelector.KT_GATHER_BLOCKS[1]), (16, 0)):
+        seen.clear()
+        sp = One(SparseOffloadCache(spec_of(4, 2, 16, 1), settings(budget=4 + 8 + 16, kt_bits=bits)))
+        sp.attend(*qkv(gen, 1, 4, 2, 60, 16), 0)
+        for step in range(3):
+            sp.attend(*qkv(gen, 1, 4, 2, 1, 16), 60 + step)
+        assert seen and set(seen) == {want}
+
+
 # --- (c) channel selection --------------------------------------------------------------------------------
 def test_channel_selection_hand_made():
     # one KV head, a group of two query heads: the mean over the group cancels channel 3 (largest max|K|)
