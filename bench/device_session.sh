@@ -38,7 +38,7 @@ step() {  # name, limit in s, command...
 }
 for s in ${STEPS:-tests}; do
     case $s in
-        tests) step tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/ ;;
+        tests) step tests "${TESTS_LIMIT:-360}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/ ;;
         kernels) step kernels "${KERNELS_LIMIT:-200}" python3 bench/kernels.py --out "$OUT/kernels" ;;
         fused) step fused "${FUSED_LIMIT:-120}" python3 bench/fused.py --out "$OUT/fused" ;;
         bench) step bench "${BENCH_LIMIT:-400}" python3 -m tailorkv.cli bench ${BENCH_ARGS:-} --out "$OUT/bench" ;;
