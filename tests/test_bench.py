@@ -308,6 +308,20 @@ def test_floor_bandwidths_take_a_flag_then_the_measured_copy_then_the_h200s():
     assert B.measure_hbm_gbps(torch.device("cpu")) is None and B.measure_pcie_gbps(torch.device("cpu")) is None
 
 
+def test_zero_copy_note_names_a_host_whose_sms_read_host_memory_slower_than_its_dma():
+    note = B.zero_copy_note(34.0, 55.0)
+    assert "34 GB/s" in note and "62%" in note and "1.6x" in note and "--kt-bits 8" in note
+    assert B.zero_copy_note(50.0, 55.0) is None  # within 80%: a fast host
+    assert B.zero_copy_note(None, 55.0) is None and B.zero_copy_note(34.0, None) is None  # not measured
+    assert B.measure_zero_copy_gbps(torch.device("cpu")) is None
+
+
+@pytest.mark.cuda
+def test_zero_copy_rate_is_measured_by_the_gather_kernel_on_a_gpu():
+    gbps = B.measure_zero_copy_gbps(torch.device("cuda"))
+    assert gbps is not None and 1.0 < gbps < 200.0  # PCIe: Gen 3 x16 reads ~12 GB/s, Gen 5 ~55; none beats 200
+
+
 def test_cpu_run_output_formats_and_defaults(tiny, tmp_path):
     """A bare bench fits the model (tiny: 2048 tokens); a CPU run shows no floor or PCIe figures; --output puts
     only the results on stdout; a budget that covers the context is named."""

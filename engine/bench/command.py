@@ -311,6 +311,11 @@ def _sweep(params, plan, model, weights, random_weights, dev, dt, gpu_mem_limit,
         need = "their stage breakdowns need" if len(given) == 2 else "its stage breakdown needs"
         ui.err.print(f"[yellow]{' and '.join(given)} ignored: {need} a GPU[/]")
     bandwidths = B.floor_bandwidths(hbm_gbps, pcie_gbps, B.measure_hbm_gbps(dev), B.measure_pcie_gbps(dev))
+    if "tailorkv" in plan.methods:
+        bandwidths["zero_copy_gbps_measured"] = B.measure_zero_copy_gbps(dev)
+        slow = B.zero_copy_note(bandwidths["zero_copy_gbps_measured"], bandwidths["pcie_gbps_measured"])
+        if slow:
+            ui.err.print(f"[yellow]{escape(slow)}[/]")
     plan = dataclasses.replace(plan, hbm_gbps=bandwidths["hbm_gbps"], pcie_gbps=bandwidths["pcie_gbps"])
     torch.manual_seed(seed)
     loaded = ui.load_with_progress(model, weights, random_weights, dev, dt)

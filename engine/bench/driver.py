@@ -111,6 +111,50 @@ def measure_pcie_gbps(device: torch.device, nbytes: int = 256 << 20, iters: int 
                       warmup=1)
 
 
+def measure_zero_copy_gbps(device: torch.device, rows: int = 12, n: int = 65536, iters: int = 5) -> float | None:
+    """How fast the SMs read long rows picked from pinned host memory, zero-copy over PCIe: tailorkv's K^T gather
+    (ops/host_gather.py's kernel, 8 heads x `rows` rows of n bf16 per call, other rows each call so that none is read
+    twice). None off GPU, without the kernel, or where the buffers do not fit. Some hosts hold it well below the
+    DMA engine's copy (34 against 55 GB/s on some H100 hosts: bench/results/2026-12-07-h100-fifty-second-session)."""
+    from tailorkv.ops.host_gather import gather_rows
+    if device.type != "cuda":
+        return None
+    try:
+        store = torch.empty(1, 8, 128, n, dtype=torch.bfloat16, pin_memory=True)
+        out = torch.empty(1, 8, rows, n, dtype=torch.bfloat16, device=device)
+        order = torch.stack([torch.randperm(128, device=device) for _ in range(8)])[None]  # [1, 8, 128]
+        picks = [order[..., k * rows:(k + 1) * rows].sort(-1).values for k in range(min(iters + 1, 128 // rows))]
+        if dispatch.kernel_for("gather_rows", store, picks[0]) is None:
+            return None
+        gather_rows(store, picks[0], device, out=out)  # warm-up (and the kernel's first load)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for idx in picks[1:]:
+            gather_rows(store, idx, device, out=out)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / (len(picks) - 1)
+        del store, out
+        torch.cuda.empty_cache()
+        return rows * 8 * n * 2 / (ms / 1e3) / 1e9
+    except RuntimeError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def zero_copy_note(zero_copy_gbps: float | None, dma_gbps: float | None, threshold: float = 0.8) -> str | None:
+    """A line for the bench's user where this host's SMs read host memory much slower than its DMA engine copies
+    it: tailorkv's sparse layers fetch their K^T rows the first way, so its long-context decode waits longer on
+    PCIe than the floor (which divides by the DMA copy) says. None where they match or either is unknown."""
+    if not zero_copy_gbps or not dma_gbps or zero_copy_gbps >= threshold * dma_gbps:
+        return None
+    return (f"this host's SMs read pinned host memory at {zero_copy_gbps:.0f} GB/s, {zero_copy_gbps / dma_gbps:.0%} "
+            f"of its DMA copy ({dma_gbps:.0f} GB/s): tailorkv's sparse layers read their K^T rows that way, so at "
+            f"long contexts its decode can take up to {dma_gbps / zero_copy_gbps:.1f}x the floor's PCIe term "
+            f"(--kt-bits 8 halves those bytes)")
+
+
 def floor_bandwidths(hbm_flag: float | None, pcie_flag: float | None, hbm_measured: float | None,
                      pcie_measured: float | None) -> dict:
     """The bandwidths the floor divides by: the flag where given, else this machine's measured copy, else the H200's
