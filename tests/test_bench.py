@@ -311,7 +311,7 @@ def test_floor_bandwidths_take_a_flag_then_the_measured_copy_then_the_h200s():
 def test_zero_copy_note_names_a_host_whose_sms_read_host_memory_slower_than_its_dma():
     note = B.zero_copy_note(34.0, 55.0)
     assert "34 GB/s" in note and "62%" in note and "1.6x" in note and "--kt-bits 8" in note
-    assert B.zero_copy_note(50.0, 55.0) is None  # within 80%: a fast host
+    assert B.zero_copy_note(45.0, 55.0) is None  # 82%, the H200's measure: a fast host
     assert B.zero_copy_note(None, 55.0) is None and B.zero_copy_note(34.0, None) is None  # not measured
     assert B.measure_zero_copy_gbps(torch.device("cpu")) is None
 
