@@ -120,28 +120,17 @@ def measure_zero_copy_gbps(device: torch.device, rows: int = 12, n: int = 65536,
     from tailorkv.ops.host_gather import gather_rows
     if device.type != "cuda":
         return None
-    try:
+
+    def make_step():
         store = torch.empty(1, 8, 128, n, dtype=torch.bfloat16, pin_memory=True)
         out = torch.empty(1, 8, rows, n, dtype=torch.bfloat16, device=device)
         order = torch.stack([torch.randperm(128, device=device) for _ in range(8)])[None]  # [1, 8, 128]
-        picks = [order[..., k * rows:(k + 1) * rows].sort(-1).values for k in range(min(iters + 1, 128 // rows))]
+        picks = [order[..., k * rows:(k + 1) * rows].sort(-1).values for k in range(128 // rows)]
         if dispatch.kernel_for("gather_rows", store, picks[0]) is None:
             return None
-        gather_rows(store, picks[0], device, out=out)  # warm-up (and the kernel's first load)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        for idx in picks[1:]:
-            gather_rows(store, idx, device, out=out)
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end) / (len(picks) - 1)
-        del store, out
-        torch.cuda.empty_cache()
-        return rows * 8 * n * 2 / (ms / 1e3) / 1e9
-    except RuntimeError:
-        torch.cuda.empty_cache()
-        return None
+        return lambda i: gather_rows(store, picks[i], device, out=out)
+
+    return _timed_gbps(device, make_step, rows * 8 * n * 2, min(iters, 128 // rows - 1), warmup=1)
 
 
 def zero_copy_note(zero_copy_gbps: float | None, dma_gbps: float | None, threshold: float = 0.7) -> str | None:
@@ -178,24 +167,35 @@ def measure_hbm_gbps(device: torch.device, nbytes: int = 512 << 20, iters: int =
 
 
 def _copy_gbps(device: torch.device, source, nbytes: int, iters: int, passes: int, warmup: int) -> float | None:
-    """GB/s of copying source() (nbytes) into device memory, `passes` x nbytes counted per copy (CUDA events over
-    iters copies after `warmup`); None when either buffer does not fit (a tight --gpu-mem-limit, pinned memory)."""
+    """GB/s of copying source() (nbytes) into device memory, `passes` x nbytes counted per copy."""
+    def make_step():
+        src, dst = source(), torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return lambda i: dst.copy_(src, non_blocking=True)
+
+    return _timed_gbps(device, make_step, passes * nbytes, iters, warmup)
+
+
+def _timed_gbps(device: torch.device, make_step, nbytes: int, iters: int, warmup: int) -> float | None:
+    """GB/s of nbytes per call of step = make_step(): step(0 .. warmup - 1), then step(warmup .. warmup + iters - 1)
+    timed by CUDA events. None when make_step returns None or its buffers do not fit (a tight --gpu-mem-limit,
+    pinned memory); the buffers are freed after."""
     try:
-        src = source()
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        for _ in range(warmup):
-            dst.copy_(src, non_blocking=True)
+        step = make_step()
+        if step is None:
+            return None
+        for i in range(warmup):
+            step(i)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
         start.record()
-        for _ in range(iters):
-            dst.copy_(src, non_blocking=True)
+        for i in range(warmup, warmup + iters):
+            step(i)
         end.record()
         end.synchronize()
         ms = start.elapsed_time(end) / iters
-        del src, dst
+        del step
         torch.cuda.empty_cache()
-        return passes * nbytes / (ms / 1e3) / 1e9
+        return nbytes / (ms / 1e3) / 1e9
     except RuntimeError:
         torch.cuda.empty_cache()
         return None
