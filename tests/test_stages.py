@@ -79,3 +79,22 @@ def test_decode_stage_table_splits_stages_by_stream(split):
     text = con.export_text()
     assert ("side streams" in text and "9.202" in text and "1.250" in text) == split
     assert "10.452" in text and "16.38 ms/step" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("streams", [2, 32])
+def test_decode_stage_table_drops_the_split_where_a_graph_ran_on_the_drivers_streams(streams):
+    """A graph replay that ran its branches on more streams than the engine's three (the H100's 8k cell: one
+    per layer) gets no per-stream columns, which would name the driver's streams compute / side, but a caption."""
+    from rich.console import Console
+    from tailorkv.engine.bench.command import stage_table
+    st = {"kernels_per_step": 938, "gpu_busy_ms": 9.39, "concurrent_ms": 3.02, "cuda_graph": True,
+          "stage_ms": {"dense (gemm/gemv)": 5.339, "attention": 2.538},
+          "stage_stream_ms": {"dense (gemm/gemv)": {"compute": 0.492, "side": 4.847},
+                              "attention": {"compute": 2.538, "side": 0.0}},
+          "stream_busy_ms": {str(7 + i): 0.18 for i in range(streams)}}
+    con = Console(width=300, record=True)
+    con.print(stage_table({"method": "tailorkv", "ctx": 8192, "decode_ms": {"median": 9.56}, "stages": st}))
+    text = " ".join(con.export_text().split())
+    assert ("side streams" in text and "4.847" in text) == (streams == 2)
+    assert ("spread its branches over 32 streams" in text) == (streams == 32)
+    assert "5.339" in text
