@@ -165,7 +165,7 @@ def stage_table(cell: dict):
     """The stage breakdown of one cell's profiled decode steps (engine.bench.stages)."""
     from rich.table import Table
     from tailorkv.engine.bench.plot import ctx_label
-    from tailorkv.engine.bench.stages import ENGINE_STREAMS
+    from tailorkv.engine.scheduler import STREAMS
     st = cell["stages"]
     t = Table(title=f"{cell['method']} @ {ctx_label(cell['ctx'])}: {st['kernels_per_step']:.0f} kernels/step, GPU busy "
                     f"{st['gpu_busy_ms']:.2f} ms of {cell['decode_ms']['median']:.2f} ms/step; kernel time beside other work "
@@ -176,7 +176,7 @@ def stage_table(cell: dict):
     split = st.get("stage_stream_ms")  # absent in bench.json files written before it
     side = split and any(v["side"] for v in split.values())
     streams = len(st.get("stream_busy_ms", {}))
-    if side and st["cuda_graph"] and streams > ENGINE_STREAMS:
+    if side and st["cuda_graph"] and streams > STREAMS:
         side = False  # the replay ran the graph's branches on streams of the driver's choosing, not the engine's
         t.caption = (f"the CUDA graph's replay spread its branches over {streams} streams, not the engine's compute / "
                      f"copy / select streams: no per-stream split (the title's 'beside other work' is what overlapped)")

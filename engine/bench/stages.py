@@ -23,7 +23,6 @@ STAGES = (
     ("dense (gemm/gemv)", r"gemm|gemv|cutlass|xmma|nvjet|sm90|sm80|splitk|cublas"),
     ("fused norm/rope/silu", r"rms_norm|rope|silu_mul"),
 )
-ENGINE_STREAMS = 3  # engine.scheduler's compute, copy and select streams
 COPIES = {"memcpy htod": "pcie copy h2d", "memcpy dtoh": "pcie copy d2h", "memcpy dtod": "device copy",
           "memset": "memset"}
 
