@@ -114,8 +114,11 @@ def test_sketch_and_topk_with_a_carry_replay_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         scores, picked = pick()
+    # q keeps a cosine of ~0.98 with the replay before. The CPU model of the kernel's margin rule
+    # (bench/probes/topk_carry_margin.py, seeds 1000-1150): at most 18 of 48 rows searched whole. At the
+    # 0.9 q + 0.3 noise this test used before (cosine ~0.95), 25 and 26 of 48 on two seeds of 152.
     for _ in range(6):
-        q.copy_(q.float() * 0.9 + 0.3 * torch.randn(q.shape, generator=g).cuda())
+        q.copy_(q.float() * 0.95 + 0.2 * torch.randn(q.shape, generator=g).cuda())
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(picked.cpu(), lowest_ties_topk(scores, k))
