@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from helpers import random_keys  # noqa: E402
 from tailorkv.ops.sparse_select import sketch_scores  # noqa: E402
-from tailorkv.ops.topk_carry import CAP_PER_K  # noqa: E402
+from tailorkv.ops.topk_carry import TopKCarry  # noqa: E402
 from tailorkv.ops.topk_cuda import stretches  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def whole_searches(seed: int, a: float, b: float, replays: int, sms: int) -> int
     hq, hkv, T, D, k = 32, 8, 32768, 128, 1024
     kc, ks, km = random_keys(g, 1, hkv, T, D, 2, "cpu", sketch=True)
     q = torch.randn(1, hq, 1, D, generator=g).to(torch.bfloat16)
-    cap = -(-CAP_PER_K * k // 32) * 32
+    cap = TopKCarry(hkv, k, torch.device("cpu")).cap
     s_count = stretches(hkv, T, k, sms)
     threshold, margin, whole = [float("-inf")] * hkv, [0.0] * hkv, 0
     for _ in range(replays):
