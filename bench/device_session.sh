@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: install what the image lacks (wheels carried in .whl/), then run the steps
 # named in STEPS, each under its own time limit, logging to $OUT/<step>.log, and print a summary last.
-#   STEPS="tests kernels fused bench" bash bench/device_session.sh
+#   TAILORKV_COMMIT=<hash> TAILORKV_DIRTY=0 STEPS="tests kernels fused bench" bash bench/device_session.sh
+# (the copy's .git is the session's first commit: results record the commit and the dirty flag named here, the
+# flag read from `git status --porcelain --untracked-files=no` before the call)
 # Steps: tests (pytest -m cuda), kernels (bench/kernels.py), fused (bench/fused.py), bench (BENCH_ARGS),
 # sdpa (bench/sdpa_backends.py), equiv / equiv8b (bench/decode_equivalence.py on SmolLM2 / random 8B),
 # chat (bench/chat_scenario.sh: the card's command, two turns at ~120k tokens), truncate

@@ -247,14 +247,23 @@ def git_commit() -> str | None:
     return os.environ.get("TAILORKV_COMMIT") or _run(["git", "rev-parse", "HEAD"])
 
 
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit. Under TAILORKV_COMMIT the copy's .git is not that commit's,
+    so only TAILORKV_DIRTY (0 or 1, from the checkout that sent the copy) can say; without it, None (unknown)."""
+    if os.environ.get("TAILORKV_COMMIT"):
+        flag = os.environ.get("TAILORKV_DIRTY", "")
+        return {"0": False, "1": True}.get(flag)
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    return None if status is None else bool(status)
+
+
 def environment(device: torch.device) -> dict:
     from tailorkv import __version__
     cuda = device.type == "cuda"
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     env = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "git_commit": git_commit() or "unknown",
-        "git_dirty": None if status is None else bool(status),
+        "git_dirty": git_dirty(),
         "tailorkv": __version__,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
