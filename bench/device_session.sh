@@ -52,7 +52,8 @@ for s in ${STEPS-tests}; do  # STEPS="" (set, empty): only the copies above
             --random-weights ${EQUIV8B_ARGS:-} --out "$OUT/equiv" ;;
         bisect) step bisect "${BISECT_LIMIT:-400}" bash bench/bisect_kernels.sh ;;
         truncate) step truncate "${TRUNCATE_LIMIT:-120}" python3 bench/probes/quant_truncate_gpu.py ${TRUNCATE_ARGS:-} ;;
-        chat) step chat "${CHAT_LIMIT:-300}" bash bench/chat_scenario.sh "$OUT/chat" ;;
+        chat) step chat "${CHAT_LIMIT:-300}" env TAILORKV_SMOLLM2_GGUF="${TAILORKV_SMOLLM2_GGUF:-$PWD/.tok/smollm2-tokenizer.gguf}" \
+            bash bench/chat_scenario.sh "$OUT/chat" ;;  # random weights borrow SmolLM2's tokenizer (.tok/: bench/tokenizer_gguf.py)
         *) echo "unknown step $s" ;;
     esac
 done
