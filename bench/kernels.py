@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from tailorkv.engine.bench.driver import floor_bandwidths, measure_hbm_gbps, measure_pcie_gbps
 from tailorkv.engine.results import environment, write_json
-from tailorkv.ops import dispatch
+from tailorkv.ops import dispatch, host_gather_cuda
 from tailorkv.ops.attention import attend_decode
 from tailorkv.ops.host_gather import gather_rows
 from tailorkv.ops.quant import quantize_keys, quantize_sketch, quantize_values
@@ -125,6 +125,14 @@ def bench_gather():
                               eager=True)
         out.append(result(f"gather_rows [{label}]", checks, ms, mode, H * n * X * 2, PCIE,
                           "torch index on host + copy", base_ms))
+        if not kt:  # the engine's grid keeps the SMs for the compute stream; one pass over the rows at once:
+            blocks = -(-H * n * X * 2 // (16 * host_gather_cuda.THREADS * host_gather_cuda.UNROLL))
+            checks = [check(f"{label}, {blocks} blocks", k(host, idxs[2], DEV, out=buf, blocks=blocks).float(),
+                            gather_rows.reference(host, idxs[2].cpu(), DEV).float(), 0)]
+            ms, mode = gpu_time([lambda i=i, k=k, host=host, buf=buf: k(host, i, DEV, out=buf, blocks=blocks)
+                                 for i in idxs])
+            out.append(result(f"gather_rows [{label}, {blocks} blocks]", checks, ms, mode, H * n * X * 2, PCIE,
+                              "torch index on host + copy", base_ms))
     return out
 
 

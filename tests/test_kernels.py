@@ -215,6 +215,20 @@ def test_gather_rows_kernel_copies_long_rows(blocks):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("blocks", [1, 5, 64])
+def test_gather_rows_kernel_copies_short_rows_on_the_grid_asked(blocks):
+    """Short rows on `blocks` blocks instead of MAX_BLOCKS: fewer blocks loop more, more than needed are cut."""
+    g = torch.Generator().manual_seed(SEED + 2)
+    host = torch.randn(1, 8, 3000, 128, generator=g).to(torch.bfloat16).pin_memory()
+    kernel = dispatch.kernel_for("gather_rows", host, torch.zeros(1, device="cuda"))
+    idx = torch.randint(0, 3000, (1, 8, 211), generator=g).cuda()
+    want = gather_rows.reference(host, idx.cpu(), torch.device("cpu"))
+    out = torch.full(want.shape, float("nan"), device="cuda").to(torch.bfloat16)
+    assert kernel(host, idx, torch.device("cuda"), out=out, blocks=blocks) is out
+    assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.cuda
 def test_sparse_decode_with_kernels_equals_reference(monkeypatch):
     from tailorkv.engine.cache import LayerSpec
     from tailorkv.engine.policies.sparse import SparseOffloadCache
