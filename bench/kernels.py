@@ -125,12 +125,16 @@ def bench_gather():
                               eager=True)
         out.append(result(f"gather_rows [{label}]", checks, ms, mode, H * n * X * 2, PCIE,
                           "torch index on host + copy", base_ms))
-        if not kt:  # the engine's grid keeps the SMs for the compute stream; one pass over the rows at once:
-            blocks = -(-H * n * X * 2 // (16 * host_gather_cuda.THREADS * host_gather_cuda.UNROLL))
-            checks = [check(f"{label}, {blocks} blocks", k(host, idxs[2], DEV, out=buf, blocks=blocks).float(),
-                            gather_rows.reference(host, idxs[2].cpu(), DEV).float(), 0)]
-            ms, mode = gpu_time([lambda i=i, k=k, host=host, buf=buf: k(host, i, DEV, out=buf, blocks=blocks)
-                                 for i in idxs])
+        if not kt:  # the engine's grid (MAX_BLOCKS) keeps the SMs for the compute stream; one pass at once:
+            engine_blocks = host_gather_cuda.MAX_BLOCKS
+            blocks = host_gather_cuda.MAX_BLOCKS = -(-H * n * X * 2 // (16 * host_gather_cuda.THREADS
+                                                                         * host_gather_cuda.UNROLL))
+            try:
+                checks = [check(f"{label}, {blocks} blocks", k(host, idxs[2], DEV, out=buf).float(),
+                                gather_rows.reference(host, idxs[2].cpu(), DEV).float(), 0)]
+                ms, mode = gpu_time([lambda i=i, k=k, host=host, buf=buf: k(host, i, DEV, out=buf) for i in idxs])
+            finally:
+                host_gather_cuda.MAX_BLOCKS = engine_blocks
             out.append(result(f"gather_rows [{label}, {blocks} blocks]", checks, ms, mode, H * n * X * 2, PCIE,
                               "torch index on host + copy", base_ms))
     return out

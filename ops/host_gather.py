@@ -18,7 +18,7 @@ def gather_rows(host: torch.Tensor, idx: torch.Tensor, device: torch.device,
     """host [B, H, N, X] (a view with unit stride along X is fine); idx [B, H, n] row indices into N
     -> [B, H, n, X] on `device`. With `out` ([B, H, n, X], host's dtype, on `device`) the rows are written
     there and `out` is returned (a preallocated, e.g. double-buffered, destination). `blocks`: the kernel's grid
-    (0: one block per long row, at most MAX_BLOCKS for short ones); the reference has no grid and ignores it."""
+    for long rows (0: one block per row); the reference has no grid and ignores it."""
     B, H, n = idx.shape
     i = idx.to(host.device, torch.int64)
     if host.dtype == torch.float8_e4m3fn:  # torch's CPU gather has no e4m3: the same bytes as uint8

@@ -6,8 +6,7 @@ over all (row, word) items, each thread keeping UNROLL reads in flight, so PCIe'
 slot per row and the SMs stay with the compute stream. Long rows (the paper's K^T rows): by default one block per
 row, one read per thread at a time (more reads in flight took PCIe from the attention's reads of host rows: 19.3 ->
 22.7 ms/token at 128k on the H200); with `blocks`, the loop kernel on that many blocks of LONG_THREADS, for a step
-bound by its compute stream rather than by PCIe. `blocks` on short rows overrides MAX_BLOCKS (bench/kernels.py
-times both grids)."""
+bound by its compute stream rather than by PCIe."""
 from __future__ import annotations
 
 import numpy as np
@@ -113,7 +112,7 @@ def load(reference):
         if items >= 2**31:
             return reference(host, idx, device, out)
         grid, threads = ((min(blocks, B * H * n), LONG_THREADS) if long_rows
-                         else (min(blocks or MAX_BLOCKS, -(-items // (THREADS * UNROLL))), THREADS))
+                         else (min(MAX_BLOCKS, -(-items // (THREADS * UNROLL))), THREADS))
         launch(kernels[w], (grid,), (threads,),
                (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words),
                 np.int32(items)), idx.device)
