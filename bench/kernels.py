@@ -127,8 +127,8 @@ def bench_gather():
                           "torch index on host + copy", base_ms))
         if not kt:  # the engine's grid (MAX_BLOCKS) keeps the SMs for the compute stream; one pass at once:
             engine_blocks = host_gather_cuda.MAX_BLOCKS
-            blocks = host_gather_cuda.MAX_BLOCKS = -(-H * n * X * 2 // (16 * host_gather_cuda.THREADS
-                                                                         * host_gather_cuda.UNROLL))
+            words = H * n * X * host.element_size() // host_gather_cuda.widest_word(host)
+            blocks = host_gather_cuda.MAX_BLOCKS = -(-words // (host_gather_cuda.THREADS * host_gather_cuda.UNROLL))
             try:
                 checks = [check(f"{label}, {blocks} blocks", k(host, idxs[2], DEV, out=buf).float(),
                                 gather_rows.reference(host, idxs[2].cpu(), DEV).float(), 0)]
