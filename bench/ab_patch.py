@@ -3,9 +3,8 @@
 Variants: none; carry-off (KeySketch.CARRY False: the top-K searches every row whole); reuse-on
 (SketchSelector.REUSE_ROWS True: each layer's row cache, only the newly chosen rows read from host); no-sketch
 (the sketch scores replaced by a fixed random tensor: an ablation for timing only, its picks are meaningless);
-no-gather (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N,
-gather-pipelined-1 (the short-row gather's blocks, threads per block, reads in flight per thread; the next reads
-issued before the last stores); kt-gather-blocks-N (the K^T rows'
+no-gather (the selected rows are not gathered: timing only); gather-blocks-N, gather-threads-N, gather-unroll-N
+(the short-row gather's blocks, threads per block, reads in flight per thread); kt-gather-blocks-N (the K^T rows'
 gather on N blocks of the loop kernel at either --kt-bits, ChannelSelector.KT_GATHER_BLOCKS; 0: one block per row);
 gather-longthreads-N (that loop kernel's threads per block); refresh-threads-N,
 refresh-unroll-N (the row cache kernel's block size and reads in flight per thread); sketch-grid-N (the sketch
@@ -26,7 +25,7 @@ import torch
 
 # variant prefix -> (the kernel's module in ops/, its constants by variant name), read when the kernel loads
 KERNEL_KNOBS = {"gather": ("host_gather_cuda", {"blocks": "MAX_BLOCKS", "threads": "THREADS", "unroll": "UNROLL",
-                                          "longthreads": "LONG_THREADS", "pipelined": "PIPELINED"}),
+                                          "longthreads": "LONG_THREADS"}),
                 "refresh": ("row_cache_cuda", {"threads": "THREADS", "unroll": "UNROLL"}),
                 "hostcopy": ("host_copy", {"blocks": "BLOCKS"}),
                 "topk": ("topk_cuda", {"short": "ONE_STAGE_MAX_N"})}

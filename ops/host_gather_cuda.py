@@ -3,8 +3,7 @@ through the pointer UVA gives every pinned allocation), so the indices never lea
 needs no sync. The copy width is the widest word (16, 8, 4, 2 or 1 bytes) that divides the row length, the
 strides and the base address. Short rows (sketch-ahead's 512-byte K/V rows): a few blocks (MAX_BLOCKS) loop
 over all (row, word) items, each thread keeping UNROLL reads in flight, so PCIe's latency is covered without an SM
-slot per row and the SMs stay with the compute stream; PIPELINED: each thread issues its next UNROLL reads before it
-stores the last ones, so its reads never drain between passes. Long rows (the paper's K^T rows): by default one block per
+slot per row and the SMs stay with the compute stream. Long rows (the paper's K^T rows): by default one block per
 row, one read per thread at a time (more reads in flight took PCIe from the attention's reads of host rows: 19.3 ->
 22.7 ms/token at 128k on the H200); with `blocks`, the loop kernel on that many blocks of LONG_THREADS, for a step
 bound by its compute stream rather than by PCIe."""
@@ -21,7 +20,6 @@ from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 # reads in flight slowing the GEMVs beside them (twelfth and sixteenth sessions).
 MAX_BLOCKS, THREADS, UNROLL = 16, 256, 4
 LONG_THREADS = 1024  # long rows on `blocks` blocks: the short rows' loop, UNROLL reads in flight per thread
-PIPELINED = False
 
 _SOURCE = r"""
 extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, const unsigned long long idx_addr,
@@ -45,44 +43,6 @@ extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, c
         #pragma unroll
         for (int u = 0; u < {U}; ++u)
             if (base + u * blockDim.x < items) dst[base + u * blockDim.x] = v[u];
-    }}
-}}
-"""
-_PIPELINED_SOURCE = r"""
-extern "C" __global__ void gather_rows_pipelined_w{W}(const unsigned long long src_addr,
-                                                    const unsigned long long idx_addr,
-                                                    const unsigned long long dst_addr, const int H, const int n,
-                                                    const long long sb, const long long sh, const long long sn,
-                                                    const int words, const int items) {{
-    typedef {T} word;
-    const word* src = (const word*)src_addr;
-    const long long* idx = (const long long*)idx_addr;
-    word* dst = (word*)dst_addr;
-    const int stride = gridDim.x * blockDim.x * {U};
-    word v[{U}], next[{U}];
-    int base = blockIdx.x * blockDim.x * {U} + threadIdx.x;
-    #pragma unroll
-    for (int u = 0; u < {U}; ++u) {{   // item = row * words + word; row over B * H * n
-        const int it = base + u * blockDim.x;
-        if (it < items) {{
-            const int row = it / words, b = row / (H * n), h = (row / n) % H;
-            v[u] = src[b * sb + h * sh + idx[row] * sn + it % words];
-        }}
-    }}
-    for (; base < items; base += stride) {{
-        #pragma unroll
-        for (int u = 0; u < {U}; ++u) {{
-            const int it = base + stride + u * blockDim.x;
-            if (it < items) {{
-                const int row = it / words, b = row / (H * n), h = (row / n) % H;
-                next[u] = src[b * sb + h * sh + idx[row] * sn + it % words];
-            }}
-        }}
-        #pragma unroll
-        for (int u = 0; u < {U}; ++u) {{
-            if (base + u * blockDim.x < items) dst[base + u * blockDim.x] = v[u];
-            v[u] = next[u];
-        }}
     }}
 }}
 """
@@ -116,10 +76,9 @@ def load(reference):
     import cupy
 
     mod = compile_module("\n".join(src.format(W=w, T=t, U=UNROLL) for w, t in WORDS.items()
-                                   for src in (_SOURCE, _PIPELINED_SOURCE, _ROW_SOURCE)))
+                                   for src in (_SOURCE, _ROW_SOURCE)))
     kernels = {w: mod.get_function(f"gather_rows_w{w}") for w in WORDS}
     row_kernels = {w: mod.get_function(f"gather_long_rows_w{w}") for w in WORDS}
-    pipelined = {w: mod.get_function(f"gather_rows_pipelined_w{w}") for w in WORDS}
     if not cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["unifiedAddressing"]:
         raise RuntimeError("no unified addressing: pinned host pointers are not device pointers")
 
@@ -150,11 +109,11 @@ def load(reference):
                    (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words)),
                    idx.device)
             return out
-        if items >= 2**30:  # int indices, with room for the loops' next base
+        if items >= 2**31:
             return reference(host, idx, device, out)
         grid, threads = ((min(blocks, B * H * n), LONG_THREADS) if long_rows
                          else (min(MAX_BLOCKS, -(-items // (THREADS * UNROLL))), THREADS))
-        launch((pipelined if PIPELINED and not long_rows else kernels)[w], (grid,), (threads,),
+        launch(kernels[w], (grid,), (threads,),
                (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words),
                 np.int32(items)), idx.device)
         return out

@@ -178,11 +178,8 @@ def test_gather_rows_reference_takes_e4m3_rows():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
-def test_gather_rows_kernel_equals_reference(dtype, pipelined, monkeypatch):
-    from tailorkv.ops import host_gather_cuda
-    monkeypatch.setattr(host_gather_cuda, "PIPELINED", pipelined)
+def test_gather_rows_kernel_equals_reference(dtype):
     g = torch.Generator().manual_seed(SEED)
     B, H, N, D = 2, 3, 1000, 64
     host = torch.randn(B, H, N, D, generator=g).to(dtype).pin_memory()
@@ -218,14 +215,12 @@ def test_gather_rows_kernel_copies_long_rows(blocks):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("blocks", [1, 5, 64])
-def test_gather_rows_kernel_copies_short_rows_on_any_grid(blocks, pipelined, monkeypatch):
+def test_gather_rows_kernel_copies_short_rows_on_any_grid(blocks, monkeypatch):
     """Short rows on MAX_BLOCKS blocks, as bench/kernels.py and bench/ab_patch.py set it: fewer blocks loop more,
-    more than needed are cut; the loop with its next reads issued before its last stores, or not."""
+    more than needed are cut."""
     from tailorkv.ops import host_gather_cuda
     monkeypatch.setattr(host_gather_cuda, "MAX_BLOCKS", blocks)
-    monkeypatch.setattr(host_gather_cuda, "PIPELINED", pipelined)
     g = torch.Generator().manual_seed(SEED + 2)
     host = torch.randn(1, 8, 3000, 128, generator=g).to(torch.bfloat16).pin_memory()
     kernel = dispatch.kernel_for("gather_rows", host, torch.zeros(1, device="cuda"))
