@@ -25,6 +25,7 @@ from tailorkv.engine.results import environment, write_json
 from tailorkv.ops import dispatch, host_gather_cuda
 from tailorkv.ops.attention import attend_decode
 from tailorkv.ops.host_gather import gather_rows
+from tailorkv.ops.host_memory import host_empty
 from tailorkv.ops.quant import quantize_keys, quantize_sketch, quantize_values
 from tailorkv.ops.quant_attention import av_quant, qk_quant
 from tailorkv.ops.sparse_select import approx_scores, sketch_scores
@@ -110,9 +111,11 @@ def kernel(name, *tensors):
 # --- benches ------------------------------------------------------------------------------------------------
 def bench_gather():
     out = []
+    # the layouts the engine gathers: the default path's K^T rows from a pinned store, sketch-ahead's top-K K|V rows
+    # (512 B) from a managed one (ops/host_memory.py); the default path reads its top-K rows inside the attention
     for label, (H, N, X, n, kt) in {"K^T rows 12x8 of 256 KiB": (8, 128, 131072, 12, True),
-                                     "top-K rows 896x8 of 256 B": (8, 131072, 128, 896, False)}.items():
-        host = torch.randn(1, H, N, X, dtype=torch.bfloat16).pin_memory()
+                                     "top-K K|V rows 896x8 of 512 B, managed": (8, 131072, 256, 896, False)}.items():
+        host = host_empty((1, H, N, X), torch.bfloat16, DEV, managed=not kt).copy_(torch.randn(1, H, N, X))
         k = kernel("gather_rows", host, torch.zeros(1, device=DEV))
         idxs = [torch.randint(0, N, (1, H, n), device=DEV) for _ in range(4)]
         checks = [check(label, k(host, idxs[0], DEV).float(), gather_rows.reference(host, idxs[0].cpu(), DEV).float(), 0)]
