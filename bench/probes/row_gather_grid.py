@@ -1,6 +1,7 @@
 """ops/host_gather_cuda.py's gathers by grid, alone on an idle GPU, each variant checked against torch indexing:
-  - short rows (sketch-ahead's K/V rows, the bench's 256-byte top-K rows), the loop kernel by reads in flight per
-    thread (UNROLL) and blocks (MAX_BLOCKS): what the 16-block cap (chosen end to end) costs its own rate;
+  - short rows (sketch-ahead's 512-byte K|V rows, and the 256-byte rows the issue first quoted), the loop kernel
+    by reads in flight per thread (UNROLL) and blocks (MAX_BLOCKS): what the 16-block cap (chosen end to end) costs
+    its own rate;
   - long rows (the paper's K^T rows, 12 x 8 of 256 KiB), one block per row (blocks 0) against the loop kernel
     on `blocks` blocks of LONG_THREADS.
     PYTHONPATH=src python3 bench/probes/row_gather_grid.py
