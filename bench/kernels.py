@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 import traceback
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -129,15 +130,12 @@ def bench_gather():
         out.append(result(f"gather_rows [{label}]", checks, ms, mode, H * n * X * 2, PCIE,
                           "torch index on host + copy", base_ms))
         if not kt:  # the engine's grid (MAX_BLOCKS) keeps the SMs for the compute stream; one pass at once:
-            engine_blocks = host_gather_cuda.MAX_BLOCKS
             words = H * n * X * host.element_size() // host_gather_cuda.widest_word(host)
-            blocks = host_gather_cuda.MAX_BLOCKS = -(-words // (host_gather_cuda.THREADS * host_gather_cuda.UNROLL))
-            try:
+            blocks = host_gather_cuda.one_pass_blocks(words)
+            with mock.patch.object(host_gather_cuda, "MAX_BLOCKS", blocks):
                 checks = [check(f"{label}, {blocks} blocks", k(host, idxs[2], DEV, out=buf).float(),
                                 gather_rows.reference(host, idxs[2].cpu(), DEV).float(), 0)]
                 ms, mode = gpu_time([lambda i=i, k=k, host=host, buf=buf: k(host, i, DEV, out=buf) for i in idxs])
-            finally:
-                host_gather_cuda.MAX_BLOCKS = engine_blocks
             out.append(result(f"gather_rows [{label}, {blocks} blocks]", checks, ms, mode, H * n * X * 2, PCIE,
                               "torch index on host + copy", base_ms))
     return out

@@ -71,6 +71,12 @@ def widest_word(host: torch.Tensor) -> int:
     return next(w for w in WORDS if all(s % w == 0 for s in steps))
 
 
+def one_pass_blocks(items: int, unroll: int | None = None) -> int:
+    """Blocks of THREADS in which the short rows' loop covers `items` words in one pass, each thread keeping
+    `unroll` (default UNROLL, read at the call: bench/ab_patch.py may set it) reads in flight."""
+    return -(-items // (THREADS * (unroll or UNROLL)))
+
+
 def load(reference):
     """reference: the torch gather_rows, for the arguments the kernel does not take."""
     import cupy
@@ -112,7 +118,7 @@ def load(reference):
         if items >= 2**31:
             return reference(host, idx, device, out)
         grid, threads = ((min(blocks, B * H * n), LONG_THREADS) if long_rows
-                         else (min(MAX_BLOCKS, -(-items // (THREADS * UNROLL))), THREADS))
+                         else (min(MAX_BLOCKS, one_pass_blocks(items)), THREADS))
         launch(kernels[w], (grid,), (threads,),
                (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words),
                 np.int32(items)), idx.device)

@@ -231,6 +231,16 @@ def test_gather_rows_kernel_copies_short_rows_on_any_grid(blocks, monkeypatch):
     assert torch.equal(out.cpu(), want)
 
 
+def test_the_short_rows_one_pass_grid_covers_every_word_once(monkeypatch):
+    """The loop kernel's grid before MAX_BLOCKS caps it, also the count bench/kernels.py times the gather on."""
+    from tailorkv.ops import host_gather_cuda as hg
+    per_block = hg.THREADS * hg.UNROLL
+    assert [hg.one_pass_blocks(i) for i in (1, per_block, per_block + 1, 7 * per_block)] == [1, 1, 2, 7]
+    assert hg.one_pass_blocks(hg.THREADS * 8, unroll=8) == 1 and hg.one_pass_blocks(hg.THREADS * 8, unroll=2) == 4
+    monkeypatch.setattr(hg, "UNROLL", 1)  # as bench/ab_patch.py sets it for a process
+    assert hg.one_pass_blocks(per_block) == per_block // hg.THREADS
+
+
 @pytest.mark.cuda
 def test_sparse_decode_with_kernels_equals_reference(monkeypatch):
     from tailorkv.engine.cache import LayerSpec

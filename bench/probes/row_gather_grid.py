@@ -25,7 +25,7 @@ mods = {u: compile_module(hg._SOURCE.format(W=16, T="uint4", U=u)) for u in (4, 
 def run(u, blocks, host, idx, out):
     words = host.shape[-1] * host.element_size() // 16
     items = H * n * words
-    grid = min(blocks, -(-items // (hg.THREADS * u)))
+    grid = min(blocks, hg.one_pass_blocks(items, u))
     launch(mods[u].get_function("gather_rows_w16"), (grid,), (hg.THREADS,),
            (np.uint64(host.data_ptr()), ptr(idx), ptr(out), np.int32(H), np.int32(n),
             np.int64(host.stride(0) * 2 // 16), np.int64(host.stride(1) * 2 // 16), np.int64(host.stride(2) * 2 // 16),
