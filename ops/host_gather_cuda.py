@@ -20,6 +20,7 @@ from tailorkv.ops.cuda_launch import compile_module, launch, ptr
 # reads in flight slowing the GEMVs beside them (twelfth and sixteenth sessions).
 MAX_BLOCKS, THREADS, UNROLL = 16, 256, 4
 LONG_THREADS = 1024  # long rows on `blocks` blocks: the short rows' loop, UNROLL reads in flight per thread
+LOOP_ITEMS = 2**30  # the loop kernel's int indices, with room for its base after the last pass (+ grid stride)
 
 _SOURCE = r"""
 extern "C" __global__ void gather_rows_w{W}(const unsigned long long src_addr, const unsigned long long idx_addr,
@@ -110,12 +111,12 @@ def load(reference):
                    np.int64(host.stride(2) * elt // w))
         items = B * H * n * words
         long_rows = words >= THREADS * UNROLL
-        if long_rows and not (blocks and items < 2**31):  # the K^T rows' 256 KiB: a block per row
+        if long_rows and not (blocks and items < LOOP_ITEMS):  # the K^T rows' 256 KiB: a block per row
             launch(row_kernels[w], (B * H * n,), (THREADS,),
                    (np.uint64(src), ptr(idx64), ptr(out), np.int32(H), np.int32(n), *strides, np.int32(words)),
                    idx.device)
             return out
-        if items >= 2**31:
+        if items >= LOOP_ITEMS:
             return reference(host, idx, device, out)
         grid, threads = ((min(blocks, B * H * n), LONG_THREADS) if long_rows
                          else (min(MAX_BLOCKS, one_pass_blocks(items)), THREADS))
